@@ -1,0 +1,367 @@
+"""Read an EXL3 checkpoint directory into per-module specs (headers only)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from . import codebook as cb
+from . import trellis as tr
+from .errors import Exl3FormatError
+from .hadamard import HAD
+from .safetensors_io import TensorInfo, read_header, read_tensor
+
+EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class Exl3Spec:
+    """One EXL3 linear: y = x @ W, W of shape k x n."""
+    key: str
+    k: int
+    n: int
+    bits: float
+    codebook: str
+    tensors: dict[str, TensorInfo]  # by role: trellis, suh|su, svh|sv, bias, mcg|mul1
+    legacy_signs: bool = False
+    padded_from: dict[str, int] = field(default_factory=dict)  # "k"/"n" -> logical size
+
+    @property
+    def has_bias(self) -> bool:
+        return "bias" in self.tensors
+
+    @property
+    def half_bits(self) -> bool:
+        return self.bits != int(self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def trellis_bytes(self) -> int:
+        return self.tensors["trellis"].nbytes
+
+
+@dataclass
+class DenseSpec:
+    """A module stored unquantized (norms, embeddings, routers, unquantized linears)."""
+    key: str
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        w = self.tensors.get("weight")
+        return w.shape if w else ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+@dataclass
+class Exl3Weights:
+    """The tensors of one EXL3 linear, ready for the reference or a kernel."""
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    codebook: str
+    bias: torch.Tensor | None = None
+
+    @property
+    def bits(self) -> float:
+        return tr.bits_from_width(self.trellis.shape[-1])
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise Exl3FormatError(f"{what} is missing", file=path,
+                              fix="point at the directory exllamav3's converter wrote") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise Exl3FormatError(f"{what} is not valid JSON ({type(e).__name__}: {e})", file=path,
+                              fix="repair or re-download the file") from None
+    except OSError as e:
+        raise Exl3FormatError(f"cannot read {what}: {e.strerror or e}", file=path) from None
+    if not isinstance(data, dict):
+        raise Exl3FormatError(f"{what} must hold a JSON object", file=path, fix="repair or re-download the file")
+    return data
+
+
+def _inside(root: str, name: object, index_path: str) -> str:
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name \
+            or any(part in ("..", "") for part in name.split("/")):
+        raise Exl3FormatError(f"weight_map names file {name!r}, which is not a plain relative path "
+                              "inside the checkpoint", file=index_path, fix="repair the index")
+    path = os.path.join(root, name)
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        raise Exl3FormatError(f"weight_map file {name!r} resolves outside the checkpoint", file=index_path,
+                              fix="repair the index or the symbolic link")
+    return path
+
+
+def _dims_from_config(config: dict) -> set[int]:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    dims = set()
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
+                "shared_expert_intermediate_size"):
+        v = text.get(key)
+        if type(v) is int and v > 0:
+            dims.add(v)
+    heads, kv, hd, hid = (text.get(k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                                  "hidden_size"))
+    if type(heads) is int and heads > 0:
+        if not (type(hd) is int and hd > 0) and type(hid) is int:
+            hd = hid // heads
+        if type(hd) is int:
+            dims.add(heads * hd)
+            if type(kv) is int and kv > 0:
+                dims.add(kv * hd)
+    return dims
+
+
+class Checkpoint:
+    """An EXL3 checkpoint directory: config, tensor headers and module specs.
+
+    Only headers (and 4-byte codebook markers) are read on open; tensors are
+    read one at a time with tensor() or weights().
+    """
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self.warnings: list[str] = []
+        if not os.path.isdir(self.path):
+            raise Exl3FormatError("not a directory", file=self.path, fix="pass the checkpoint directory")
+        self.config = _read_json(os.path.join(self.path, "config.json"), "config.json")
+        qc = self.config.get("quantization_config")
+        if not isinstance(qc, dict) or qc.get("quant_method") != "exl3":
+            raise Exl3FormatError("config.json has no quantization_config with quant_method 'exl3'",
+                                  file=os.path.join(self.path, "config.json"),
+                                  fix="this is not an EXL3 checkpoint; convert it with exllamav3 first")
+        self.quantization_config = qc
+        self.tensor_storage = self._read_tensor_storage()
+        self.tensors = self._read_tensors()
+        self.modules: dict[str, Exl3Spec | DenseSpec] = {}
+        self.other: dict[str, TensorInfo] = {}
+        self._build_specs()
+        self._check_storage()
+        self._check_bits()
+
+    # ---- files -------------------------------------------------------------------------------
+    def _read_tensor_storage(self) -> dict:
+        path = os.path.join(self.path, "quantization_config.json")
+        if not os.path.exists(path):
+            self.warnings.append("quantization_config.json is missing: modules are taken from the tensors alone")
+            return {}
+        data = _read_json(path, "quantization_config.json")
+        ts = data.get("tensor_storage", {})
+        if not isinstance(ts, dict) or not all(isinstance(v, dict) for v in ts.values()):
+            raise Exl3FormatError("tensor_storage must map module names to objects", file=path,
+                                  fix="repair or re-download the file")
+        return ts
+
+    def _read_tensors(self) -> dict[str, TensorInfo]:
+        index = os.path.join(self.path, INDEX_FILE)
+        if os.path.exists(index):
+            data = _read_json(index, INDEX_FILE)
+            wmap = data.get("weight_map")
+            if not isinstance(wmap, dict) or not wmap:
+                raise Exl3FormatError("index has no weight_map object", file=index, fix="repair the index")
+            files: dict[str, list[str]] = {}
+            for name, fname in wmap.items():
+                files.setdefault(_inside(self.path, fname, index), []).append(name)
+            tensors: dict[str, TensorInfo] = {}
+            for fpath, names in files.items():
+                if not os.path.isfile(fpath):
+                    raise Exl3FormatError(f"shard listed in {INDEX_FILE} is missing", file=fpath,
+                                          fix="download every shard the index names")
+                infos, _ = read_header(fpath)
+                for name in names:
+                    if name not in infos:
+                        raise Exl3FormatError(f"{INDEX_FILE} places this tensor in the file, but its header "
+                                              "does not have it", file=fpath, tensor=name,
+                                              fix="the shard or the index is out of date")
+                    tensors[name] = infos[name]
+            return tensors
+        single = os.path.join(self.path, SINGLE_FILE)
+        if not os.path.isfile(single):
+            raise Exl3FormatError(f"neither {SINGLE_FILE} nor {INDEX_FILE} exists", file=self.path,
+                                  fix="download the model's safetensors files")
+        return read_header(single)[0]
+
+    # ---- specs -------------------------------------------------------------------------------
+    def _build_specs(self) -> None:
+        groups: dict[str, dict[str, TensorInfo]] = {}
+        for name, info in self.tensors.items():
+            key, _, suffix = name.rpartition(".")
+            if suffix in EXL3_SUFFIXES or suffix in ("weight", "bias"):
+                groups.setdefault(key, {})[suffix] = info
+            else:
+                self.other[name] = info
+        dims = _dims_from_config(self.config)
+        for key, parts in groups.items():
+            if "trellis" in parts:
+                self.modules[key] = self._exl3_spec(key, parts, dims)
+            elif any(s in parts for s in EXL3_SUFFIXES):
+                some = next(s for s in EXL3_SUFFIXES if s in parts)
+                raise Exl3FormatError("EXL3 tensor without a trellis", file=parts[some].file,
+                                      tensor=f"{key}.{some}", fix="the checkpoint is incomplete")
+            else:
+                self.modules[key] = DenseSpec(key, parts)
+
+    def _exl3_spec(self, key: str, parts: dict[str, TensorInfo], dims: set[int]) -> Exl3Spec:
+        t = parts["trellis"]
+        name = f"{key}.trellis"
+
+        def fail(what, tensor=name, info=t, fix="re-convert or re-download this module"):
+            return Exl3FormatError(what, file=info.file, tensor=tensor, fix=fix)
+
+        if "weight" in parts:
+            raise fail("module has both a trellis and a dense weight", tensor=f"{key}.weight")
+        if t.dtype != "I16":
+            raise fail(f"trellis must be int16 (I16), found {t.dtype}")
+        if len(t.shape) != 3:
+            raise fail(f"trellis must be 3-D [k/16, n/16, 16K], found shape {list(t.shape)}")
+        bits = tr.bits_from_width(t.shape[2], tensor=name, file=t.file)
+        k, n = 16 * t.shape[0], 16 * t.shape[1]
+        if k == 0 or n == 0 or k % HAD or n % HAD:
+            raise fail(f"k={k} and n={n} must be positive multiples of 128 (the Hadamard block)")
+        markers = [m for m in ("mcg", "mul1") if m in parts]
+        if len(markers) == 2:
+            raise fail("both .mcg and .mul1 codebook markers are present", tensor=f"{key}.mul1")
+        code = markers[0] if markers else "3inst"
+        if markers:
+            mk = parts[code]
+            if mk.dtype != "I32" or mk.shape not in ((), (1,)):
+                raise fail(f"codebook marker must be an int32 scalar, found {mk.dtype}{list(mk.shape)}",
+                           tensor=mk.name, info=mk)
+            value = int(read_tensor(mk).reshape(-1)[0])
+            if value != cb.MARKER_VALUES[code]:
+                raise fail(f"codebook marker holds {value}, expected {cb.MARKER_VALUES[code]}; "
+                           "a different multiplier is not an EXL3 codebook this runtime knows",
+                           tensor=mk.name, info=mk)
+        if bits != int(bits) and code != "mul1":
+            raise fail(f"half-integer K={bits} needs the mul1 codebook, but the codebook is {code}")
+        roles = {"trellis": t}
+        legacy = False
+        for side, new, old, length in (("input", "suh", "su", k), ("output", "svh", "sv", n)):
+            if new in parts:
+                v = parts[new]
+                if v.dtype != "F16" or v.shape != (length,):
+                    raise fail(f"{new} must be fp16 [{length}], found {v.dtype}{list(v.shape)}",
+                               tensor=v.name, info=v)
+                roles[new] = v
+            elif old in parts:
+                v = parts[old]
+                if v.dtype != "I16" or v.shape != (length // 16,):
+                    raise fail(f"legacy {old} must be int16 [{length // 16}], found {v.dtype}{list(v.shape)}",
+                               tensor=v.name, info=v)
+                roles[old] = v
+                legacy = True
+            else:
+                raise fail(f"the {side} scales {key}.{new} are missing", tensor=f"{key}.{new}")
+        if "bias" in parts:
+            b = parts["bias"]
+            if b.dtype not in ("F16", "BF16", "F32") or b.shape != (n,):
+                raise fail(f"bias must be a float vector [{n}], found {b.dtype}{list(b.shape)}",
+                           tensor=b.name, info=b)
+            roles["bias"] = b
+        if markers:
+            roles[code] = parts[code]
+        padded = {}
+        for axis, size in (("k", k), ("n", n)):
+            for d in dims:
+                if d < size < d + HAD and d % HAD:
+                    padded[axis] = d
+        return Exl3Spec(key, k, n, bits, code, roles, legacy, padded)
+
+    def _check_storage(self) -> None:
+        path = os.path.join(self.path, "quantization_config.json")
+        for key, spec in self.modules.items():
+            entry = self.tensor_storage.get(key)
+            if entry is None:
+                if isinstance(spec, Exl3Spec) and self.tensor_storage:
+                    self.warnings.append(f"{key}: EXL3 module in the tensors but not in tensor_storage")
+                continue
+            if isinstance(spec, Exl3Spec):
+                fmt = entry.get("quant_format")
+                if fmt not in (None, "exl3"):
+                    raise Exl3FormatError(f"tensor_storage says quant_format {fmt!r} but the module has a trellis",
+                                          file=path, tensor=key, fix="the file does not match the tensors")
+                bpw = entry.get("bits_per_weight")
+                if bpw is not None and (not isinstance(bpw, (int, float)) or float(bpw) != float(spec.bits)):
+                    raise Exl3FormatError(
+                        f"tensor_storage says bits_per_weight {bpw!r} but the trellis holds {spec.bits} bits",
+                        file=path, tensor=key, fix="the config does not match the tensors; re-convert")
+            stored = entry.get("stored_tensors", {})
+            if not isinstance(stored, dict):
+                raise Exl3FormatError("stored_tensors must be an object", file=path, tensor=key)
+            for tname, meta in stored.items():
+                info = self.tensors.get(tname)
+                if info is None:
+                    raise Exl3FormatError("tensor_storage lists this tensor but no safetensors file has it",
+                                          file=path, tensor=tname, fix="the checkpoint is incomplete")
+                shape = meta.get("shape") if isinstance(meta, dict) else None
+                if shape is not None and list(shape) != list(info.shape):
+                    raise Exl3FormatError(f"tensor_storage gives shape {shape} but the file holds "
+                                          f"{list(info.shape)}", file=path, tensor=tname,
+                                          fix="the config does not match the tensors")
+        for key in self.tensor_storage:
+            if key not in self.modules and not any(t.startswith(key + ".") for t in self.other):
+                self.warnings.append(f"{key}: in tensor_storage but no tensors found")
+
+    def _check_bits(self) -> None:
+        stated = self.quantization_config.get("bits")
+        avg = self.average_bpw()
+        if isinstance(stated, (int, float)) and avg is not None and abs(float(stated) - avg) > 0.015:
+            self.warnings.append(f"config.json says bits={stated} but the decoder linears average {avg:.2f} bpw")
+        for spec in self.exl3_modules():
+            if spec.half_bits:
+                self.warnings.append(f"{spec.key}: half-integer K={spec.bits} (needs a runtime with mul1 "
+                                     "half-K support)")
+            if spec.legacy_signs:
+                self.warnings.append(f"{spec.key}: legacy su/sv sign vectors (no magnitudes)")
+
+    # ---- queries -----------------------------------------------------------------------------
+    def exl3_modules(self) -> list[Exl3Spec]:
+        return [m for m in self.modules.values() if isinstance(m, Exl3Spec)]
+
+    @staticmethod
+    def is_head(key: str) -> bool:
+        return key.rsplit(".", 1)[-1] in ("lm_head", "output", "head")
+
+    def average_bpw(self) -> float | None:
+        """Trellis bits per weight over the quantized decoder linears (head excluded)."""
+        mods = [m for m in self.exl3_modules() if not self.is_head(m.key)]
+        weights = sum(m.k * m.n for m in mods)
+        return sum(m.bits * m.k * m.n for m in mods) / weights if weights else None
+
+    def tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        info = self.tensors.get(name)
+        if info is None:
+            raise Exl3FormatError("no such tensor in the checkpoint", file=self.path, tensor=name)
+        return read_tensor(info, device)
+
+    def weights(self, key: str, device: str | torch.device = "cpu") -> Exl3Weights:
+        spec = self.modules.get(key)
+        if not isinstance(spec, Exl3Spec):
+            raise Exl3FormatError("not an EXL3 module", file=self.path, tensor=key)
+        r = spec.tensors
+        suh = read_tensor(r["suh"], device) if "suh" in r else signs_to_half(read_tensor(r["su"], device))
+        svh = read_tensor(r["svh"], device) if "svh" in r else signs_to_half(read_tensor(r["sv"], device))
+        bias = read_tensor(r["bias"], device) if "bias" in r else None
+        return Exl3Weights(read_tensor(r["trellis"], device), suh, svh, spec.codebook, bias)
+
+
+def signs_to_half(packed: torch.Tensor) -> torch.Tensor:
+    """Legacy su/sv: channel 16w+i is bit i of word w; a set bit means -1."""
+    bits = (packed.to(torch.int32).unsqueeze(-1) >> torch.arange(16, device=packed.device)) & 1
+    return (1 - 2 * bits).reshape(-1).to(torch.float16)

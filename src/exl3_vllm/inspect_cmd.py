@@ -1,0 +1,89 @@
+"""`exl3-vllm inspect DIR`: what a checkpoint holds, from its headers alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .format.checkpoint import Checkpoint, DenseSpec, Exl3Spec
+
+
+def summary(ckpt: Checkpoint) -> dict:
+    """Machine-readable description of a checkpoint (the --json output)."""
+    modules = []
+    for key in sorted(ckpt.modules):
+        m = ckpt.modules[key]
+        if isinstance(m, Exl3Spec):
+            modules.append({"key": key, "format": "exl3", "bits": m.bits, "codebook": m.codebook,
+                            "k": m.k, "n": m.n, "bias": m.has_bias, "legacy_signs": m.legacy_signs,
+                            "padded_from": m.padded_from, "bytes": m.nbytes})
+        else:
+            modules.append({"key": key, "format": "unquantized", "shape": list(m.shape),
+                            "dtype": m.tensors["weight"].dtype if "weight" in m.tensors else None,
+                            "bytes": m.nbytes})
+    exl3 = ckpt.exl3_modules()
+    heads = [m for m in exl3 if ckpt.is_head(m.key)]
+    total = sum(t.nbytes for t in ckpt.tensors.values())
+    return {
+        "path": ckpt.path,
+        "config_bits": ckpt.quantization_config.get("bits"),
+        "average_bpw": ckpt.average_bpw(),
+        "head_bits": heads[0].bits if heads else None,
+        "exl3_modules": len(exl3),
+        "unquantized_modules": sum(isinstance(m, DenseSpec) for m in ckpt.modules.values()),
+        "exl3_bytes": sum(m.nbytes for m in exl3),
+        "total_bytes": total,
+        "codebooks": sorted({m.codebook for m in exl3}),
+        "warnings": ckpt.warnings,
+        "modules": modules,
+    }
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(s: dict) -> str:
+    lines = [f"{'module':<56} {'format':<11} {'K':>4} {'codebook':<8} {'k x n / shape':<18} {'bytes':>11}"]
+    for m in s["modules"]:
+        if m["format"] == "exl3":
+            dims = f"{m['k']}x{m['n']}"
+            lines.append(f"{m['key']:<56} {'exl3':<11} {m['bits']:>4g} {m['codebook']:<8} {dims:<18} "
+                         f"{_fmt_bytes(m['bytes']):>11}")
+        else:
+            dims = "x".join(map(str, m["shape"]))
+            lines.append(f"{m['key']:<56} {'unquantized':<11} {'':>4} {'':<8} {dims:<18} {_fmt_bytes(m['bytes']):>11}")
+    avg = s["average_bpw"]
+    lines.append("")
+    lines.append(f"EXL3 modules: {s['exl3_modules']}, unquantized: {s['unquantized_modules']}, "
+                 f"codebooks: {', '.join(s['codebooks']) or '-'}")
+    lines.append(f"average bpw (decoder linears): {avg:.2f}" if avg is not None else "average bpw: n/a")
+    if s["head_bits"] is not None:
+        lines.append(f"head bits: {s['head_bits']:g}")
+    lines.append(f"config bits: {s['config_bits']}")
+    lines.append(f"size: {_fmt_bytes(s['total_bytes'])} ({_fmt_bytes(s['exl3_bytes'])} EXL3)")
+    for w in s["warnings"]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="describe an EXL3 checkpoint (headers only)")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    s = summary(Checkpoint(args.path))
+    if args.json:
+        json.dump(s, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(render(s))
+    return 0
