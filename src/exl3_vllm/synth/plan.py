@@ -1,0 +1,346 @@
+"""What a synthetic checkpoint holds: every module, its tensors, shapes and bits (no data)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from math import prod
+
+from ..format import codebook as cb
+from ..format import trellis as tr
+from ..format.errors import Exl3FormatError
+from ..format.hadamard import HAD
+from .presets import load_config
+from .tokenizer import MIN_VOCAB
+
+EXL3_VERSION = "1.6.5"
+CALIBRATION = {"rows": 250, "cols": 2048}
+HEAD_KEY = "lm_head"
+DTYPE_SIZES = {"I16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4}
+TORCH_DTYPE_NAMES = {"I16": "torch.int16", "F16": "torch.float16", "BF16": "torch.bfloat16",
+                     "I32": "torch.int32", "F32": "torch.float32"}
+MULTIPLIERS = {"mul1": cb.MUL1_MULT, "mcg": cb.MCG_MULT}
+
+# architectures[0] (or model_type) -> layout family
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+}
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write; `role` and `live` tell the generator what values to put in it."""
+    name: str
+    dtype: str  # safetensors dtype
+    shape: tuple[int, ...]
+    role: str  # trellis | suh | svh | marker | bias | norm | normal
+    live: int = 0  # vectors: leading entries that are not padding
+    codebook: str | None = None
+    scale: float = 0.02
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def storage(self) -> dict:
+        return {"shape": list(self.shape), "n_bytes": self.nbytes, "dtype": TORCH_DTYPE_NAMES[self.dtype]}
+
+
+@dataclass
+class ModulePlan:
+    """One leaf module: an EXL3 linear or an unquantized module (norm, embedding, router, fp16 head)."""
+    key: str
+    kind: str  # exl3 | dense
+    role: str  # attn | mlp | expert | head | embed | norm | router
+    in_features: int = 0
+    out_features: int = 0
+    k: int = 0  # padded to 128 (EXL3 only)
+    n: int = 0
+    bits: int | float | None = None
+    codebook: str | None = None
+    bias: bool = False
+    tensors: list[TensorPlan] = field(default_factory=list)
+
+    @property
+    def is_head(self) -> bool:
+        return self.role == "head"
+
+    def tensor(self, suffix: str) -> TensorPlan:
+        name = f"{self.key}.{suffix}"
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def storage_entry(self) -> dict:
+        entry = {"stored_tensors": {t.name: t.storage() for t in sorted(self.tensors, key=lambda t: t.name)}}
+        if self.kind == "exl3":
+            entry["quant_format"] = "exl3"
+            entry["bits_per_weight"] = self.bits
+            if self.codebook in MULTIPLIERS:
+                entry[f"{self.codebook}_multiplier"] = MULTIPLIERS[self.codebook]
+        return entry
+
+
+@dataclass
+class Plan:
+    config: dict  # the source HF config, unchanged
+    arch: str
+    bits: int | float
+    codebook: str
+    head_bits: int | float
+    modules: list[ModulePlan]
+
+    def exl3_modules(self) -> list[ModulePlan]:
+        return [m for m in self.modules if m.kind == "exl3"]
+
+    def decoder_linears(self) -> list[ModulePlan]:
+        return [m for m in self.exl3_modules() if not m.is_head]
+
+    @property
+    def average_bpw(self) -> float | None:
+        """Trellis bits per weight over the decoder linears, at their padded sizes (as the reader counts)."""
+        mods = self.decoder_linears()
+        weights = sum(m.k * m.n for m in mods)
+        return sum(m.bits * m.k * m.n for m in mods) / weights if weights else None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.modules)
+
+    def quantization_config(self) -> dict:
+        avg = self.average_bpw
+        return {
+            "quant_method": "exl3",
+            "version": EXL3_VERSION,
+            "bits": round(avg, 2) if avg is not None else self.bits,
+            "head_bits": self.head_bits,
+            "calibration": dict(CALIBRATION),
+            "out_scales": "always",
+            "codebook": self.codebook,
+        }
+
+    def tensor_storage(self) -> dict:
+        return {m.key: m.storage_entry() for m in self.modules}
+
+
+# ---- argument checking -----------------------------------------------------------------------
+
+def parse_bits(value, what: str = "bits", allow_16: bool = False) -> int | float:
+    """1..8 or 1.5/2.5/3.5 (and 16 = unquantized where allowed) as int or float."""
+    v = value
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise Exl3FormatError(f"{what} must be a number, got {value!r}",
+                              fix=f"use one of {', '.join(map(str, tr.ALL_BITS))}" + (" or 16" if allow_16 else ""))
+    if float(v).is_integer():
+        v = int(v)
+    if v in tr.ALL_BITS or (allow_16 and v == 16):
+        return v
+    raise Exl3FormatError(f"{what} = {value!r} is not an EXL3 bitrate",
+                          fix=f"use one of {', '.join(map(str, tr.ALL_BITS))}" + (" or 16" if allow_16 else ""))
+
+
+def parse_codebook(value, what: str = "codebook") -> str:
+    if value not in cb.CODEBOOKS:
+        raise Exl3FormatError(f"{what} {value!r} is not an EXL3 codebook", fix=f"use one of {', '.join(cb.CODEBOOKS)}")
+    return value
+
+
+def _check_half(bits, codebook: str, where: str) -> None:
+    if bits != int(bits) and codebook != "mul1":
+        raise Exl3FormatError(f"{where}: half-integer K={bits} needs the mul1 codebook, not {codebook}",
+                              fix="use codebook mul1 for this module (a bits-map entry can give "
+                                  "{\"bits\": %s, \"codebook\": \"mul1\"}) or an integer bitrate" % bits)
+
+
+def load_bits_map(bits_map) -> list[tuple[str, int | float, str | None]]:
+    """A JSON file path or a dict {glob: bits | {"bits": b, "codebook": c}} -> ordered rules."""
+    if bits_map is None:
+        return []
+    source = "bits map"
+    if isinstance(bits_map, (str, os.PathLike)):
+        source = os.fspath(bits_map)
+        try:
+            with open(source, "rb") as f:
+                bits_map = json.loads(f.read().decode("utf-8"))
+        except FileNotFoundError:
+            raise Exl3FormatError("bits map file does not exist", file=source) from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise Exl3FormatError(f"bits map is not valid JSON ({type(e).__name__}: {e})", file=source) from None
+        except OSError as e:
+            raise Exl3FormatError(f"cannot read bits map: {e.strerror or e}", file=source) from None
+    if not isinstance(bits_map, dict):
+        raise Exl3FormatError("bits map must be a JSON object {\"glob pattern\": bits, ...}", file=source)
+    rules = []
+    for pattern, value in bits_map.items():
+        where = f"{source} entry {pattern!r}"
+        code = None
+        if isinstance(value, dict):
+            unknown = set(value) - {"bits", "codebook"}
+            if unknown or "bits" not in value:
+                raise Exl3FormatError(f"{where}: an object entry needs 'bits' and may have 'codebook' "
+                                      f"(found keys {sorted(value)})")
+            if "codebook" in value:
+                code = parse_codebook(value["codebook"], f"{where}: codebook")
+            value = value["bits"]
+        rules.append((pattern, parse_bits(value, f"{where}: bits"), code))
+    return rules
+
+
+# ---- layout per architecture -----------------------------------------------------------------
+
+def _pad(x: int) -> int:
+    return -(-x // HAD) * HAD
+
+
+def _arch(config: dict) -> str:
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs and archs[0] in ARCHITECTURES:
+        return ARCHITECTURES[archs[0]]
+    mt = config.get("model_type")
+    if mt in MODEL_TYPES:
+        return mt
+    raise Exl3FormatError(f"unsupported architecture (architectures={archs!r}, model_type={mt!r})",
+                          fix=f"supported: {', '.join(ARCHITECTURES)}")
+
+
+def _int(config: dict, key: str, default=None) -> int:
+    v = config.get(key, default)
+    if type(v) is not int or v <= 0:
+        raise Exl3FormatError(f"config field {key!r} must be a positive integer, got {v!r}")
+    return v
+
+
+def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
+    """Decoder layer i in execution order: ("lin", key, in, out, bias, role) or ("dense", key, shape, role)."""
+    hidden = _int(c, "hidden_size")
+    heads = _int(c, "num_attention_heads")
+    kv = _int(c, "num_key_value_heads", heads)
+    hd = c.get("head_dim") or hidden // heads
+    if type(hd) is not int or hd <= 0:
+        raise Exl3FormatError(f"config field 'head_dim' must be a positive integer, got {hd!r}")
+    p = f"model.layers.{i}"
+    attn_bias = arch == "qwen2" or (arch != "mixtral" and bool(c.get("attention_bias", False)))
+    o_bias = attn_bias and arch != "qwen2"
+    out = [("dense", f"{p}.input_layernorm", (hidden,), "norm"),
+           ("lin", f"{p}.self_attn.q_proj", hidden, heads * hd, attn_bias, "attn"),
+           ("lin", f"{p}.self_attn.k_proj", hidden, kv * hd, attn_bias, "attn"),
+           ("lin", f"{p}.self_attn.v_proj", hidden, kv * hd, attn_bias, "attn")]
+    if arch in ("qwen3", "qwen3_moe"):
+        out += [("dense", f"{p}.self_attn.q_norm", (hd,), "norm"),
+                ("dense", f"{p}.self_attn.k_norm", (hd,), "norm")]
+    out += [("lin", f"{p}.self_attn.o_proj", heads * hd, hidden, o_bias, "attn"),
+            ("dense", f"{p}.post_attention_layernorm", (hidden,), "norm")]
+    if arch == "mixtral":
+        experts = _int(c, "num_local_experts")
+        inter = _int(c, "intermediate_size")
+        out.append(("dense", f"{p}.block_sparse_moe.gate", (experts, hidden), "router"))
+        for e in range(experts):
+            q = f"{p}.block_sparse_moe.experts.{e}"
+            out += [("lin", f"{q}.w1", hidden, inter, False, "expert"),
+                    ("lin", f"{q}.w3", hidden, inter, False, "expert"),
+                    ("lin", f"{q}.w2", inter, hidden, False, "expert")]
+        return out
+    sparse = False
+    if arch == "qwen3_moe":
+        step = c.get("decoder_sparse_step", 1)
+        only = c.get("mlp_only_layers") or []
+        experts = _int(c, "num_experts")
+        sparse = i not in only and type(step) is int and step > 0 and (i + 1) % step == 0
+    if sparse:
+        inter = _int(c, "moe_intermediate_size")
+        out.append(("dense", f"{p}.mlp.gate", (experts, hidden), "router"))
+        for e in range(experts):
+            q = f"{p}.mlp.experts.{e}"
+            out += [("lin", f"{q}.gate_proj", hidden, inter, False, "expert"),
+                    ("lin", f"{q}.up_proj", hidden, inter, False, "expert"),
+                    ("lin", f"{q}.down_proj", inter, hidden, False, "expert")]
+    else:
+        inter = _int(c, "intermediate_size")
+        mlp_bias = arch in ("llama", "mistral") and bool(c.get("mlp_bias", False))
+        out += [("lin", f"{p}.mlp.gate_proj", hidden, inter, mlp_bias, "mlp"),
+                ("lin", f"{p}.mlp.up_proj", hidden, inter, mlp_bias, "mlp"),
+                ("lin", f"{p}.mlp.down_proj", inter, hidden, mlp_bias, "mlp")]
+    return out
+
+
+def _exl3_module(key, k_in, n_out, bias, role, bits, code) -> ModulePlan:
+    k, n = _pad(k_in), _pad(n_out)
+    m = ModulePlan(key, "exl3", role, k_in, n_out, k, n, bits, code, bias)
+    m.tensors.append(TensorPlan(f"{key}.trellis", "I16", (k // 16, n // 16, tr.width_from_bits(bits)), "trellis"))
+    m.tensors.append(TensorPlan(f"{key}.suh", "F16", (k,), "suh", live=k_in, codebook=code))
+    m.tensors.append(TensorPlan(f"{key}.svh", "F16", (n,), "svh", live=n_out, codebook=code))
+    if code in MULTIPLIERS:
+        m.tensors.append(TensorPlan(f"{key}.{code}", "I32", (), "marker", codebook=code))
+    if bias:
+        m.tensors.append(TensorPlan(f"{key}.bias", "F16", (n,), "bias", live=n_out))
+    return m
+
+
+def _dense_module(key, shape, role) -> ModulePlan:
+    m = ModulePlan(key, "dense", role)
+    if role == "norm":
+        m.tensors.append(TensorPlan(f"{key}.weight", "F16", tuple(shape), "norm"))
+    else:
+        m.tensors.append(TensorPlan(f"{key}.weight", "F16", tuple(shape), "normal"))
+    if len(shape) == 2:
+        m.out_features, m.in_features = shape
+    return m
+
+
+def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_map=None) -> Plan:
+    """Every module of the synthetic checkpoint with shapes, bits and codebook; writes nothing."""
+    config = load_config(config_or_preset)
+    if isinstance(config.get("text_config"), dict):
+        raise Exl3FormatError("configs with a nested text_config (multimodal models) are not supported",
+                              fix=f"supported: {', '.join(ARCHITECTURES)}")
+    arch = _arch(config)
+    bits = parse_bits(bits, "bits")
+    codebook = parse_codebook(codebook)
+    head_bits = parse_bits(head_bits, "head_bits", allow_16=True)
+    _check_half(bits, codebook, "--bits")
+    if head_bits != 16:
+        _check_half(head_bits, codebook, "--head-bits")
+    rules = load_bits_map(bits_map)
+    hidden = _int(config, "hidden_size")
+    vocab = _int(config, "vocab_size")
+    layers = _int(config, "num_hidden_layers")
+    if vocab < MIN_VOCAB:
+        raise Exl3FormatError(f"vocab_size {vocab} is too small for the synthetic byte-level tokenizer "
+                              f"(needs >= {MIN_VOCAB})")
+
+    def choose(key):
+        for pattern, b, code in rules:
+            if fnmatchcase(key, pattern):
+                code = code or codebook
+                _check_half(b, code, f"bits map pattern {pattern!r} (module {key})")
+                return b, code
+        return bits, codebook
+
+    modules = [_dense_module("model.embed_tokens", (vocab, hidden), "embed")]
+    for i in range(layers):
+        for item in _layer_modules(arch, config, i):
+            if item[0] == "dense":
+                modules.append(_dense_module(*item[1:]))
+            else:
+                _, key, k_in, n_out, bias, role = item
+                modules.append(_exl3_module(key, k_in, n_out, bias, role, *choose(key)))
+    modules.append(_dense_module("model.norm", (hidden,), "norm"))
+    if head_bits == 16:
+        modules.append(_dense_module(HEAD_KEY, (vocab, hidden), "head"))
+    else:
+        modules.append(_exl3_module(HEAD_KEY, hidden, vocab, False, "head", head_bits, codebook))
+    return Plan(config, arch, bits, codebook, head_bits, modules)
