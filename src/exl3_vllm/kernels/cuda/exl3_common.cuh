@@ -1,0 +1,156 @@
+// Header-free helpers: NVRTC wheels ship no CUDA headers, so fp16/bf16 go through inline PTX.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define EXL3_INLINE __device__ __forceinline__
+
+EXL3_INLINE float h2f(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+EXL3_INLINE u16 f2h(float f) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+EXL3_INLINE float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+EXL3_INLINE u16 f2bf(float f) { u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+
+template <bool BF16> EXL3_INLINE float ld2f(u16 h) { return BF16 ? bf2f(h) : h2f(h); }
+template <bool BF16> EXL3_INLINE u16 f2st(float f) { return BF16 ? f2bf(f) : f2h(f); }
+
+EXL3_INLINE u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+EXL3_INLINE void cp_async16(u32 dst, const void* src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+EXL3_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> EXL3_INLINE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+EXL3_INLINE void ldmatrix_x4(u32 (&r)[4], u32 addr)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+EXL3_INLINE void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+EXL3_INLINE u32 funnel_l(u32 lo, u32 hi, u32 s) { u32 r; asm("shf.l.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(s)); return r; }
+EXL3_INLINE u32 funnel_r(u32 lo, u32 hi, u32 s) { u32 r; asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(s)); return r; }
+EXL3_INLINE u32 prmt(u32 a, u32 b, u32 sel) { u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r; }
+EXL3_INLINE u32 dp4a_u(u32 a, u32 b, u32 c) { u32 r; asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r; }
+EXL3_INLINE u32 hfma2(u32 a, u32 b, u32 c) { u32 r; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r; }
+EXL3_INLINE u32 hadd2(u32 a, u32 b) { u32 r; asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+
+EXL3_INLINE float ld_cg(const float* p) { float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p)); return v; }
+EXL3_INLINE void st_cg(float* p, float v) { asm volatile("st.global.cg.f32 [%0], %1;" :: "l"(p), "f"(v)); }
+EXL3_INLINE void red_add(float* p, float v) { asm volatile("red.global.add.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory"); }
+
+// 128-point Sylvester Hadamard over a warp: lane holds elements 4*lane..4*lane+3, result scaled by 1/sqrt(128).
+EXL3_INLINE void had128_warp(float (&v)[4], int lane)
+{
+    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+    v[0] = a0 + a2; v[1] = a1 + a3; v[2] = a0 - a2; v[3] = a1 - a3;
+    #pragma unroll
+    for (int m = 1; m < 32; m <<= 1)
+    {
+        bool upper = lane & m;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+            float p = __shfl_xor_sync(0xffffffffu, v[i], m);
+            v[i] = upper ? p - v[i] : v[i] + p;
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= 0.08838834764831845f;
+}
+
+// Geometry of one 16x16 trellis tile for K = KA (+0.5 when HALF).
+template <int KA, bool HALF>
+struct Tile
+{
+    static constexpr int W32 = HALF ? 8 * KA + 4 : 8 * KA;     // uint32 words per tile
+    static constexpr int RING = 32 * W32;                       // ring bits
+    // End bit of position q counted from the lane's first position (lanes start on even positions).
+    __host__ __device__ static constexpr int end(int q) { return HALF ? ((q & 1) ? ((q + 1) / 2) * (2 * KA + 1) : (q / 2) * (2 * KA + 1) + KA) : (q + 1) * KA; }
+    __host__ __device__ static constexpr int lane_bits() { return HALF ? 4 * (2 * KA + 1) : 8 * KA; }
+    static constexpr int SPAN = end(7) - end(0) + 16;
+    __host__ __device__ static constexpr int start_bit(int t) { return (t * lane_bits() + end(0) - 16 + RING) % RING; }
+    __host__ __device__ static constexpr int max_words()
+    {
+        int mx = 0;
+        for (int t = 0; t < 32; ++t) { int o = start_bit(t) % 32; int w = (o + SPAN + 31) / 32; if (w > mx) mx = w; }
+        return mx;
+    }
+    static constexpr int NW = max_words();                      // words one lane reads
+};
+
+// Per-lane constants: which words of a tile this lane reads and the bit offset of its first window.
+template <int KA, bool HALF>
+struct LaneMap
+{
+    int idx[Tile<KA, HALF>::NW];
+    u32 off;
+    EXL3_INLINE void init(int lane)
+    {
+        typedef Tile<KA, HALF> T;
+        int b = T::start_bit(lane);
+        int w0 = b >> 5;
+        off = b & 31;
+        #pragma unroll
+        for (int i = 0; i < T::NW; ++i) { int w = w0 + i; idx[i] = w >= T::W32 ? w - T::W32 : w; }
+    }
+};
+
+// 8 states of this lane from its words, normalised so window q starts at bit end(q)-end(0).
+template <int KA, bool HALF>
+EXL3_INLINE void lane_states(const u32 (&w)[Tile<KA, HALF>::NW], u32 off, u32 (&st)[8])
+{
+    typedef Tile<KA, HALF> T;
+    constexpr int NW = T::NW;
+    u32 x[NW];
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) x[i] = funnel_l(i + 1 < NW ? w[i + 1] : 0u, w[i], off);
+    #pragma unroll
+    for (int q = 0; q < 8; ++q)
+    {
+        constexpr int dummy = 0; (void)dummy;
+        const int a = T::end(q) - T::end(0);
+        const int i = a >> 5, r = a & 31;
+        if (r <= 16) st[q] = (x[i] >> (16 - r)) & 0xffffu;
+        else st[q] = funnel_r(x[i + 1], x[i], 48 - r) & 0xffffu;
+    }
+}
+
+// Codebook: states -> packed fp16 pairs (v0,v1),(v2,v3),(v4,v5),(v6,v7) = two m16n8k16 B fragments.
+template <int CB>
+EXL3_INLINE void states_to_frag(const u32 (&st)[8], u32 (&b)[4])
+{
+    if constexpr (CB == 2)
+    {
+        u32 h[8];
+        #pragma unroll
+        for (int q = 0; q < 8; ++q) h[q] = dp4a_u(st[q] * 0x83DCD12Du, 0x01010101u, 0x6400u);
+        #pragma unroll
+        for (int p = 0; p < 4; ++p) b[p] = hfma2(prmt(h[2 * p], h[2 * p + 1], 0x5410), 0x1EEE1EEEu, 0xC931C931u);
+    }
+    else
+    {
+        u32 x[8];
+        #pragma unroll
+        for (int q = 0; q < 8; ++q)
+        {
+            u32 v = CB == 0 ? st[q] * 89226354u + 64248484u : st[q] * 0xCBAC1FEDu;
+            x[q] = (v & 0x8FFF8FFFu) ^ 0x3B603B60u;
+        }
+        #pragma unroll
+        for (int p = 0; p < 4; ++p) b[p] = hadd2(prmt(x[2 * p], x[2 * p + 1], 0x5410), prmt(x[2 * p], x[2 * p + 1], 0x7632));
+    }
+}
+
+// Row/col inside the 16x16 tile of lane t's value q (FORMAT.md 3.4).
+EXL3_INLINE int perm_row(int t, int q) { return 2 * (t & 3) + (q & 1) + 8 * ((q >> 1) & 1); }
+EXL3_INLINE int perm_col(int t, int q) { return (t >> 2) + 8 * (q >> 2); }

@@ -1,0 +1,308 @@
+// EXL3 GEMM and weight decode for one (K, codebook); compiled with -DEXL3_KA=.. -DEXL3_HALF=.. -DEXL3_CB=..
+#include "exl3_common.cuh"
+
+#ifndef EXL3_KA
+#error "EXL3_KA must be defined"
+#endif
+
+constexpr int KA = EXL3_KA;
+constexpr bool HALF = EXL3_HALF != 0;
+constexpr int CB = EXL3_CB;
+typedef Tile<KA, HALF> TL;
+static_assert(!HALF || CB == 2, "half-integer K exists only for mul1");
+
+struct GemmArgs
+{
+    const u16* xh;        // [S, m, k] fp16 input after suh and the input Hadamard
+    const u32* trellis;   // [k/16, n_total/16, W32] words
+    const u16* svh;       // [n_total] fp16
+    const u16* bias;      // [n_total] fp16, or null
+    void* out;            // [m, n_total] in the output dtype
+    float* ws;            // split-k accumulator (atomic: [m, n_total], zero between calls; slots: [splits, m, n_total])
+    int* counters;        // [m_blocks, n_total/128], zero between calls
+    int m, k, n_total;
+    int splits, steps_per_split, mode;   // mode 0: atomics + last block epilogue, 1: slots reduced by exl3_reduce
+    int nshards;
+    int shard_end[8];     // exclusive end of each shard in 128-column blocks
+};
+
+constexpr int RLD = 132;  // padded fp32 row of the 128-column reduction tile, avoids bank conflicts
+
+template <bool OUT_BF16, int NWARPS>
+__device__ __forceinline__ void epilogue_rows(const float* red, int rows, int row0, int ncol0, const GemmArgs& p)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int col = ncol0 + lane * 4;
+    const uint2 sv = *(const uint2*)(p.svh + col);
+    const u16 s16[4] = {(u16)(sv.x & 0xffff), (u16)(sv.x >> 16), (u16)(sv.y & 0xffff), (u16)(sv.y >> 16)};
+    float bs[4] = {0.f, 0.f, 0.f, 0.f};
+    if (p.bias)
+    {
+        const uint2 bb = *(const uint2*)(p.bias + col);
+        bs[0] = h2f(bb.x & 0xffff); bs[1] = h2f(bb.x >> 16); bs[2] = h2f(bb.y & 0xffff); bs[3] = h2f(bb.y >> 16);
+    }
+    for (int r = warp; r < rows; r += NWARPS)
+    {
+        const float4 v4 = *(const float4*)(red + r * RLD + lane * 4);
+        float v[4] = {v4.x, v4.y, v4.z, v4.w};
+        had128_warp(v, lane);
+        u16 o[4];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = f2st<OUT_BF16>(v[i] * h2f(s16[i]) + bs[i]);
+        uint2 st; st.x = o[0] | ((u32)o[1] << 16); st.y = o[2] | ((u32)o[3] << 16);
+        *(uint2*)((u16*)p.out + (size_t)(row0 + r) * p.n_total + col) = st;
+    }
+}
+
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16>
+__device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
+{
+    constexpr int NWN = 8 / NT;
+    constexpr int NWARPS = NWN * KW;
+    constexpr int THREADS = 32 * NWARPS;
+    constexpr int MT = BM / 16;
+    constexpr int W32 = TL::W32;
+    constexpr int NW = TL::NW;
+    constexpr int B_STEP = 8 * W32;
+    constexpr int B_STAGE = KS * B_STEP;
+    constexpr int A_LD = KS * 16 + 8;
+    constexpr int A_STAGE = BM * A_LD;
+    static_assert(KS % KW == 0, "each k-warp takes whole steps of a stage");
+
+    __shared__ int s_last;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nw = warp % NWN, kw = warp / NWN;
+    const int cb = blockIdx.x, split = blockIdx.y, mb = blockIdx.z;
+    const int row0 = mb * BM;
+    const int rows = min(BM, p.m - row0);
+    int shard = 0;
+    #pragma unroll
+    for (int i = 0; i < 7; ++i) if (i + 1 < p.nshards && cb >= p.shard_end[i]) shard = i + 1;
+    const u16* A = p.xh + ((size_t)shard * p.m + row0) * p.k;
+    const int ktiles = p.k >> 4, ntiles = p.n_total >> 4;
+    const int step0 = split * p.steps_per_split;
+    const int nstages = min(p.steps_per_split, ktiles - step0) / KS;
+    const size_t b_row = (size_t)ntiles * W32;
+    const u32* B = p.trellis + (size_t)step0 * b_row + (size_t)cb * 8 * W32;
+
+    u32* sB = (u32*)smem;
+    u16* sA = (u16*)(smem + STAGES * B_STAGE * 4);
+
+    auto load_stage = [&](int s, int buf) {
+        constexpr int CH = 2 * W32;
+        const u32* src = B + (size_t)s * KS * b_row;
+        const u32 dst = smem_addr(sB + buf * B_STAGE);
+        for (int c = tid; c < KS * CH; c += THREADS)
+        {
+            const int i = c / CH, j = c - i * CH;
+            cp_async16(dst + (i * B_STEP + j * 4) * 4, src + i * b_row + j * 4, 16);
+        }
+        const int kcol = (step0 + s * KS) * 16;
+        const u32 adst = smem_addr(sA + buf * A_STAGE);
+        for (int c = tid; c < BM * KS * 2; c += THREADS)
+        {
+            const int r = c / (KS * 2), j = c - r * (KS * 2);
+            const bool ok = r < rows;
+            cp_async16(adst + (r * A_LD + j * 8) * 2, A + (size_t)(ok ? r : 0) * p.k + kcol + j * 8, ok ? 16 : 0);
+        }
+    };
+
+    float acc[MT][2 * NT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int j = 0; j < 2 * NT; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+
+    LaneMap<KA, HALF> lm;
+    lm.init(lane);
+
+    #pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+    {
+        if (s < nstages) load_stage(s, s);
+        cp_async_commit();
+    }
+
+    for (int s = 0; s < nstages; ++s)
+    {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        const int nx = s + STAGES - 1;
+        if (nx < nstages) load_stage(nx, nx % STAGES);
+        cp_async_commit();
+        const int buf = s % STAGES;
+        const u32* bB = sB + buf * B_STAGE;
+        const u16* bA = sA + buf * A_STAGE;
+        #pragma unroll
+        for (int ii = 0; ii < KS / KW; ++ii)
+        {
+            const int i = kw + ii * KW;
+            u32 a[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(a[mt], smem_addr(bA + (mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * A_LD + i * 16 + (lane >> 4) * 8));
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+            {
+                const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
+                u32 w[NW];
+                #pragma unroll
+                for (int q = 0; q < NW; ++q) w[q] = tw[lm.idx[q]];
+                u32 st[8], b[4];
+                lane_states<KA, HALF>(w, lm.off, st);
+                states_to_frag<CB>(st, b);
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                {
+                    mma_16816(acc[mt][2 * nt], a[mt], b[0], b[1]);
+                    mma_16816(acc[mt][2 * nt + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Fixed-order reduction over the k-warps keeps the result independent of scheduling.
+    float* red = (float*)smem;
+    #pragma unroll 1
+    for (int kk = 0; kk < KW; ++kk)
+    {
+        if (kw == kk)
+        {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int j = 0; j < 2 * NT; ++j)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                    {
+                        const int r = mt * 16 + (lane >> 2) + h * 8;
+                        const int c = nw * NT * 16 + j * 8 + 2 * (lane & 3);
+                        float2* d = (float2*)(red + r * RLD + c);
+                        float2 v = make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
+                        if (kk) { float2 o = *d; v.x += o.x; v.y += o.y; }
+                        *d = v;
+                    }
+        }
+        __syncthreads();
+    }
+
+    const int ncol0 = cb * 128;
+    if (p.splits == 1)
+    {
+        epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p);
+        return;
+    }
+    if (p.mode == 1)
+    {
+        float* dst = p.ws + (size_t)split * p.m * p.n_total;
+        for (int idx = tid; idx < rows * 32; idx += THREADS)
+        {
+            const int r = idx >> 5, c = (idx & 31) * 4;
+            *(float4*)(dst + (size_t)(row0 + r) * p.n_total + ncol0 + c) = *(const float4*)(red + r * RLD + c);
+        }
+        return;
+    }
+    for (int idx = tid; idx < rows * 128; idx += THREADS)
+    {
+        const int r = idx >> 7, c = idx & 127;
+        red_add(p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c, red[r * RLD + c]);
+    }
+    __threadfence();
+    __syncthreads();
+    int* counter = p.counters + mb * (p.n_total >> 7) + cb;
+    if (tid == 0) s_last = atomicAdd(counter, 1) == p.splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int idx = tid; idx < rows * 128; idx += THREADS)
+    {
+        const int r = idx >> 7, c = idx & 127;
+        float* g = p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c;
+        red[r * RLD + c] = ld_cg(g);
+        st_cg(g, 0.f);
+    }
+    if (tid == 0) *counter = 0;
+    __syncthreads();
+    epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p);
+}
+
+// Tiers: (rows per block, n16 tiles per warp, k-warps, k16 steps per stage, pipeline stages).
+#define EXL3_TIER(NAME, BM, NT, KW, KS, ST) \
+    extern "C" __global__ void __launch_bounds__(32 * (8 / NT) * KW) exl3_gemm_##NAME##_f16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, NT, KW, KS, ST, false>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(32 * (8 / NT) * KW) exl3_gemm_##NAME##_bf16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, NT, KW, KS, ST, true>(p, smem); }
+
+EXL3_TIER(m16, 16, 8, 8, 8, 4)
+EXL3_TIER(m32, 32, 4, 4, 8, 4)
+EXL3_TIER(m64, 64, 2, 4, 8, 3)
+EXL3_TIER(m128, 128, 1, 2, 4, 3)
+
+// W' = W_hat[:, cols] . H_128 . diag(svh) in fp16 for the large-M path (one k16 row x 128 columns per block).
+extern "C" __global__ void __launch_bounds__(256) exl3_decode_w(const u32* __restrict__ trellis, const u16* __restrict__ svh,
+                                                               u16* __restrict__ wout, int n_total, int col0, int ldw)
+{
+    __shared__ __align__(16) float sw[16 * RLD];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tk = blockIdx.y;
+    const int bcol = col0 + blockIdx.x * 128;
+    const int tn = (bcol >> 4) + warp;
+    const u32* tw = trellis + ((size_t)tk * (n_total >> 4) + tn) * TL::W32;
+    LaneMap<KA, HALF> lm;
+    lm.init(lane);
+    u32 w[TL::NW];
+    #pragma unroll
+    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+    u32 st[8], b[4];
+    lane_states<KA, HALF>(w, lm.off, st);
+    states_to_frag<CB>(st, b);
+    #pragma unroll
+    for (int q = 0; q < 8; ++q)
+    {
+        const u16 h = (q & 1) ? (u16)(b[q >> 1] >> 16) : (u16)(b[q >> 1] & 0xffff);
+        sw[perm_row(lane, q) * RLD + warp * 16 + perm_col(lane, q)] = h2f(h);
+    }
+    __syncthreads();
+    const int col = bcol + lane * 4;
+    const uint2 sv = *(const uint2*)(svh + col);
+    const float s4[4] = {h2f(sv.x & 0xffff), h2f(sv.x >> 16), h2f(sv.y & 0xffff), h2f(sv.y >> 16)};
+    #pragma unroll
+    for (int rr = 0; rr < 2; ++rr)
+    {
+        const int r = warp * 2 + rr;
+        const float4 v4 = *(const float4*)(sw + r * RLD + lane * 4);
+        float v[4] = {v4.x, v4.y, v4.z, v4.w};
+        had128_warp(v, lane);
+        uint2 o;
+        o.x = f2h(v[0] * s4[0]) | ((u32)f2h(v[1] * s4[1]) << 16);
+        o.y = f2h(v[2] * s4[2]) | ((u32)f2h(v[3] * s4[3]) << 16);
+        *(uint2*)(wout + (size_t)(tk * 16 + r) * ldw + (col - col0)) = o;
+    }
+}
+
+// Decode-only pass for the benchmark floor: every weight decoded to a B fragment, folded into one word per thread.
+extern "C" __global__ void __launch_bounds__(256) exl3_decode_sum(const u32* __restrict__ trellis, long long ntiles, u32* __restrict__ sink)
+{
+    const int lane = threadIdx.x & 31;
+    const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    LaneMap<KA, HALF> lm;
+    lm.init(lane);
+    u32 accx = 0;
+    for (long long t = gw; t < ntiles; t += nwarps)
+    {
+        const u32* tw = trellis + t * TL::W32;
+        u32 w[TL::NW];
+        #pragma unroll
+        for (int q = 0; q < TL::NW; ++q) w[q] = __ldg(tw + lm.idx[q]);
+        u32 st[8], b[4];
+        lane_states<KA, HALF>(w, lm.off, st);
+        states_to_frag<CB>(st, b);
+        accx = hadd2(accx, hadd2(hadd2(b[0], b[1]), hadd2(b[2], b[3])));
+    }
+    sink[(size_t)blockIdx.x * blockDim.x + threadIdx.x] = accx;
+}

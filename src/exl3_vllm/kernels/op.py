@@ -1,0 +1,369 @@
+"""torch.ops.exl3.linear: the EXL3 linear op (our CUDA kernels on GPU, the format reference elsewhere)."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from . import nvrtc
+from .nvrtc import KernelError
+from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS, gemm_kernel_name, linear_defines
+
+# Above this many rows the dequantize + cuBLAS path is used (EXL3_VLLM_LARGE_M overrides).
+DEFAULT_LARGE_M = 128
+# Bytes of the fp16 weight scratch of the large-M path (EXL3_VLLM_DEQUANT_BYTES overrides).
+DEFAULT_DEQUANT_BYTES = 128 << 20
+
+
+def backend() -> str:
+    """'auto' (our kernels on CUDA) or 'reference' (the format reference on any device)."""
+    b = os.environ.get("EXL3_VLLM_BACKEND", "auto").lower()
+    if b not in ("auto", "reference", "kernels"):
+        raise KernelError(f"EXL3_VLLM_BACKEND={b!r} is not one of auto, kernels, reference")
+    return b
+
+
+def deterministic() -> bool:
+    return os.environ.get("EXL3_VLLM_DETERMINISTIC", "0") not in ("", "0", "false", "False")
+
+
+def _large_m() -> int:
+    return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M))
+
+
+def _dequant_bytes() -> int:
+    return int(os.environ.get("EXL3_VLLM_DEQUANT_BYTES", DEFAULT_DEQUANT_BYTES))
+
+
+def bits_of(trellis: torch.Tensor) -> float:
+    w = trellis.shape[-1]
+    if w % 16 == 0 and 1 <= w // 16 <= 8:
+        return w // 16
+    if w % 16 == 8 and 1 <= w // 16 <= 3:
+        return w // 16 + 0.5
+    raise KernelError(f"trellis last dimension {w} is not 16*K (K=1..8) or 16*K+8 (K=1.5/2.5/3.5)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str             # "gemm" or "dequant"
+    tier: str = ""
+    splits: int = 1
+    steps_per_split: int = 0
+    chunk: int = 0        # columns per dequant chunk
+
+
+def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | None = None,
+         smem_limit: int = 227 * 1024) -> Plan:
+    """How one call runs: tier and split-k factor, or the dequant path with its chunk width."""
+    force = os.environ.get("EXL3_VLLM_TIER", "")
+    if force == "dequant" or (not force and m > _large_m()):
+        cols = max(128, (_dequant_bytes() // (2 * k)) // 128 * 128)
+        return Plan("dequant", chunk=min(cols, max_shard or n_total))
+    if force:
+        if force not in TIERS:
+            raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of {sorted(TIERS)} or 'dequant'")
+        tier = TIERS[force]
+    else:
+        fits = [t for t in TIERS.values() if t.smem(bits) <= smem_limit]
+        tier = next((t for t in fits if m <= t.bm), fits[-1])
+    mblocks = -(-m // tier.bm)
+    ktiles = k // 16
+    base = (n_total // 128) * mblocks
+    slots = sms * (2 if tier.threads <= 256 else 1)
+    # Just enough splits to fill the resident-block slots once; more splits measured slower (atomics, A re-reads).
+    splits = max(1, min(-(-slots // base), ktiles // tier.ks))
+    fs = os.environ.get("EXL3_VLLM_SPLITS")
+    if fs:
+        splits = max(1, min(int(fs), ktiles // tier.ks))
+    steps = -(-ktiles // splits)
+    steps = -(-steps // tier.ks) * tier.ks
+    splits = -(-ktiles // steps)
+    return Plan("gemm", tier.name, splits, steps)
+
+
+class _GemmArgs(ctypes.Structure):
+    _fields_ = [("xh", ctypes.c_uint64), ("trellis", ctypes.c_uint64), ("svh", ctypes.c_uint64),
+                ("bias", ctypes.c_uint64), ("out", ctypes.c_uint64), ("ws", ctypes.c_uint64),
+                ("counters", ctypes.c_uint64), ("m", ctypes.c_int32), ("k", ctypes.c_int32),
+                ("n_total", ctypes.c_int32), ("splits", ctypes.c_int32), ("steps_per_split", ctypes.c_int32),
+                ("mode", ctypes.c_int32), ("nshards", ctypes.c_int32), ("shard_end", ctypes.c_int32 * 8)]
+
+
+MAX_SHARDS = 8
+
+
+class _Device:
+    """Per-device modules and workspace; buffers only grow and old ones stay alive for captured graphs."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.device = torch.device("cuda", index)
+        cap = torch.cuda.get_device_capability(index)
+        self.arch = cap[0] * 10 + cap[1]
+        if self.arch < 80:
+            raise KernelError(f"cuda:{index} is sm_{self.arch}; exl3-vllm kernels need sm_80 or newer "
+                              "(set EXL3_VLLM_BACKEND=reference to run the slow reference instead)")
+        props = torch.cuda.get_device_properties(index)
+        self.sms = props.multi_processor_count
+        self.smem_limit = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
+        self.bufs: dict[str, torch.Tensor] = {}
+        self._old: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def module(self, source: str, defines: dict | None):
+        mod = nvrtc.loaded(source, self.arch, defines, self.index)
+        if mod is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise KernelError(f"EXL3 kernel module {source} {defines} is not loaded and a CUDA graph is being "
+                                  "captured; call exl3_vllm.kernels.prepare(...) for this layer before capture")
+            mod = nvrtc.load(source, self.arch, defines, self.index)
+        return mod
+
+    def buf(self, name: str, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        b = self.bufs.get(name)
+        if b is None or b.numel() < numel:
+            if torch.cuda.is_current_stream_capturing():
+                raise KernelError(f"EXL3 workspace '{name}' needs {numel} elements but {0 if b is None else b.numel()} "
+                                  "are reserved and a CUDA graph is being captured; call "
+                                  "exl3_vllm.kernels.prepare(..., max_m=...) with the largest batch before capture")
+            if b is not None:
+                self._old.append(b)
+            numel = max(numel, 1)
+            b = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.device)
+            self.bufs[name] = b
+        return b
+
+
+_devices: dict[int, _Device] = {}
+
+
+def _dev(index: int) -> _Device:
+    d = _devices.get(index)
+    if d is None:
+        d = _devices[index] = _Device(index)
+    return d
+
+
+def _needs(p: Plan, m: int, k: int, n_total: int, shards: int) -> dict[str, int]:
+    need = {"xh": shards * m * k}
+    if p.path == "dequant":
+        need["wscratch"] = k * p.chunk
+        need["zscratch"] = m * p.chunk
+        return need
+    tier = TIERS[p.tier]
+    need["counters"] = -(-m // tier.bm) * (n_total // 128)
+    if p.splits > 1:
+        need["ws_slots" if deterministic() else "ws_atomic"] = (p.splits if deterministic() else 1) * m * n_total
+    return need
+
+
+_DTYPES = {"xh": torch.float16, "wscratch": torch.float16, "zscratch": torch.float16,
+           "counters": torch.int32, "ws_atomic": torch.float32, "ws_slots": torch.float32}
+_ZERO = {"counters", "ws_atomic"}
+
+
+def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
+            device: torch.device | int | str | None = None, shard_sizes: Optional[List[int]] = None) -> None:
+    """Compile/load every kernel a layer may dispatch to and reserve workspace for up to max_m rows.
+
+    Call once per layer at load time, before any CUDA-graph capture.
+    """
+    dev = torch.device(device if device is not None else "cuda")
+    if dev.type != "cuda":
+        return
+    d = _dev(dev.index if dev.index is not None else torch.cuda.current_device())
+    shards = len(shard_sizes) if shard_sizes else 1
+    d.module(IO_SOURCE, None)
+    d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
+    need: dict[str, int] = {}
+    ms = sorted(set(list(range(1, min(max_m, _large_m() + 1) + 1)) + [max_m]))
+    for m in ms:
+        p = plan(m, k, n_total, bits, d.sms, max(shard_sizes) if shard_sizes else None, d.smem_limit)
+        for name, v in _needs(p, m, k, n_total, shards).items():
+            need[name] = max(need.get(name, 0), v)
+    with d.lock:
+        for name, v in need.items():
+            d.buf(name, v, _DTYPES[name], zero=name in _ZERO)
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook):
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise KernelError(f"exl3 linear: x must be fp16 or bf16 on CUDA, got {x.dtype}; cast it first")
+    if trellis.dtype != torch.int16 or trellis.dim() != 3 or not trellis.is_contiguous():
+        raise KernelError(f"exl3 linear: trellis must be a contiguous int16 [k/16, n/16, 16K] tensor, "
+                          f"got {trellis.dtype} {tuple(trellis.shape)} contiguous={trellis.is_contiguous()}")
+    k, n_total = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if k % 128 or n_total % 128:
+        raise KernelError(f"exl3 linear: k={k} and n={n_total} must be multiples of 128")
+    if x.shape[-1] != k:
+        raise KernelError(f"exl3 linear: x has {x.shape[-1]} features, the trellis expects k={k}")
+    sizes = list(shard_sizes) if shard_sizes else [n_total]
+    if sum(sizes) != n_total or any(s <= 0 or s % 128 for s in sizes) or len(sizes) > MAX_SHARDS:
+        raise KernelError(f"exl3 linear: shard_sizes {sizes} must be at most {MAX_SHARDS} positive multiples "
+                          f"of 128 summing to n={n_total}")
+    S = len(sizes)
+    if suh.dtype != torch.float16 or suh.numel() != S * k:
+        raise KernelError(f"exl3 linear: suh must be fp16 [{k}] or [{S}, {k}] (one row per shard), "
+                          f"got {suh.dtype} {tuple(suh.shape)}")
+    if svh.dtype != torch.float16 or svh.shape != (n_total,):
+        raise KernelError(f"exl3 linear: svh must be fp16 [{n_total}], got {svh.dtype} {tuple(svh.shape)}")
+    if bias is not None and bias.shape != (n_total,):
+        raise KernelError(f"exl3 linear: bias must be [{n_total}], got {tuple(bias.shape)}")
+    if codebook not in (0, 1, 2):
+        raise KernelError(f"exl3 linear: codebook must be 0 (3inst), 1 (mcg) or 2 (mul1), got {codebook}")
+    bits = bits_of(trellis)
+    if bits != int(bits) and codebook != 2:
+        raise KernelError(f"exl3 linear: K={bits} (half-integer) exists only with the mul1 codebook")
+    for name, t in (("x", x), ("trellis", trellis), ("suh", suh), ("svh", svh), ("bias", bias)):
+        if t is not None and t.device != trellis.device:
+            raise KernelError(f"exl3 linear: {name} is on {t.device}, the trellis on {trellis.device}")
+    return k, n_total, sizes, bits
+
+
+def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None):
+    """Our kernels.  x [..., k] fp16/bf16 -> [..., n_total] in x.dtype."""
+    k, n_total, sizes, bits = _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = out if out is not None else torch.empty(m, n_total, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n_total)
+    suh = suh.contiguous()
+    svh = svh.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float16).contiguous()
+    d = _dev(x.device.index)
+    S = len(sizes)
+    p = plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit)
+    io = d.module(IO_SOURCE, None)
+    lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    bf = x.dtype == torch.bfloat16
+    xh = d.buf("xh", S * m * k, torch.float16)
+
+    warps = S * m * (k // 128)
+    nvrtc.launch(io.function("exl3_input_bf16" if bf else "exl3_input_f16"), (-(-warps // 8), 1, 1), (256, 1, 1), 0,
+                 stream, [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
+                          ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])
+
+    if p.path == "dequant":
+        _dequant_path(d, lin, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, p.chunk)
+        return y.reshape(*lead, n_total)
+
+    tier = TIERS[p.tier]
+    det = deterministic()
+    mblocks = -(-m // tier.bm)
+    ncb = n_total // 128
+    counters = d.buf("counters", mblocks * ncb, torch.int32, zero=True)
+    ws = None
+    if p.splits > 1:
+        ws = d.buf("ws_slots", p.splits * m * n_total, torch.float32) if det else \
+            d.buf("ws_atomic", m * n_total, torch.float32, zero=True)
+    a = _GemmArgs()
+    a.xh, a.trellis, a.svh, a.bias, a.out = xh.data_ptr(), trellis.data_ptr(), svh.data_ptr(), _ptr(bias), y.data_ptr()
+    a.ws, a.counters = _ptr(ws), counters.data_ptr()
+    a.m, a.k, a.n_total = m, k, n_total
+    a.splits, a.steps_per_split, a.mode = p.splits, p.steps_per_split, 1 if det else 0
+    a.nshards = S
+    end = 0
+    for i, s in enumerate(sizes):
+        end += s // 128
+        a.shard_end[i] = end
+    smem = tier.smem(bits)
+    f = lin.function(gemm_kernel_name(tier.name, bf), smem)
+    nvrtc.launch(f, (ncb, p.splits, mblocks), (tier.threads, 1, 1), smem, stream, [a])
+    if det and p.splits > 1:
+        nvrtc.launch(io.function("exl3_reduce_bf16" if bf else "exl3_reduce_f16"), (ncb, -(-m // 8), 1), (256, 1, 1), 0,
+                     stream, [ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(p.splits), ctypes.c_int32(m),
+                              ctypes.c_int32(n_total), ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(_ptr(bias)),
+                              ctypes.c_uint64(y.data_ptr())])
+    return y.reshape(*lead, n_total)
+
+
+def _dequant_path(d, lin, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, chunk):
+    """xh_s @ (W_hat . H . diag(svh)) per column chunk through cuBLAS, then bias and the output dtype."""
+    wbuf = d.buf("wscratch", k * chunk, torch.float16)
+    zbuf = d.buf("zscratch", m * chunk, torch.float16)
+    f = lin.function("exl3_decode_w")
+    col = 0
+    for s, width in enumerate(sizes):
+        xs = xh[s * m * k:(s + 1) * m * k].view(m, k)
+        for c0 in range(col, col + width, chunk):
+            cols = min(chunk, col + width - c0)
+            w = wbuf[:k * cols].view(k, cols)
+            nvrtc.launch(f, (cols // 128, k // 16, 1), (256, 1, 1), 0, stream,
+                         [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_uint64(svh.data_ptr()),
+                          ctypes.c_uint64(w.data_ptr()), ctypes.c_int32(n_total), ctypes.c_int32(c0),
+                          ctypes.c_int32(cols)])
+            if y.dtype == torch.float16 and cols == n_total:
+                if bias is None:
+                    torch.mm(xs, w, out=y)
+                else:
+                    torch.addmm(bias, xs, w, out=y)
+                continue
+            z = zbuf[:m * cols].view(m, cols)
+            if bias is None:
+                torch.mm(xs, w, out=z)
+            else:
+                torch.addmm(bias[c0:c0 + cols], xs, w, out=z)
+            y[:, c0:c0 + cols].copy_(z)
+        col += width
+
+
+# ---------------------------------------------------------------------------------------------
+# The op
+
+def _reference(x, trellis, suh, svh, bias, shard_sizes, codebook):
+    from ..format.linear import linear as ref_linear
+    return ref_linear(x, trellis, suh, svh, int(codebook), bias=bias,
+                      shard_sizes=list(shard_sizes) if shard_sizes else None, out_dtype=x.dtype)
+
+
+@torch.library.custom_op("exl3::linear", mutates_args=())
+def linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+           bias: Optional[torch.Tensor], shard_sizes: List[int], codebook: int) -> torch.Tensor:
+    """y = x @ W (+ bias) for an EXL3 (possibly fused) layer; CPU and other devices use the reference."""
+    return _reference(x, trellis, suh, svh, bias, shard_sizes, codebook)
+
+
+@linear.register_kernel("cuda")
+def _linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook):
+    if backend() == "reference":
+        return _reference(x, trellis, suh, svh, bias, shard_sizes, codebook)
+    return linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook)
+
+
+@linear.register_fake
+def _linear_fake(x, trellis, suh, svh, bias, shard_sizes, codebook):
+    n_total = trellis.shape[1] * 16
+    torch._check(x.shape[-1] == trellis.shape[0] * 16, lambda: "x's last dimension must equal the layer's k")
+    return x.new_empty((*x.shape[:-1], n_total))
+
+
+def decode_floor(trellis: torch.Tensor, codebook: int, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode every weight of the trellis into MMA fragments and discard them (benchmark floor)."""
+    bits = bits_of(trellis)
+    d = _dev(trellis.device.index)
+    lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
+    blocks = d.sms * 8
+    if sink is None:
+        sink = torch.empty(blocks * 256, dtype=torch.int32, device=trellis.device)
+    ntiles = trellis.shape[0] * trellis.shape[1]
+    nvrtc.launch(lin.function("exl3_decode_sum"), (blocks, 1, 1), (256, 1, 1), 0,
+                 torch.cuda.current_stream(trellis.device).cuda_stream,
+                 [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_int64(ntiles), ctypes.c_uint64(sink.data_ptr())])
+    return sink

@@ -1,0 +1,72 @@
+"""The kernel variants: one module per (K, codebook) plus the shared input/reduction module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+IO_SOURCE = "exl3_io.cu"
+LINEAR_SOURCE = "exl3_linear.cu"
+
+INTEGER_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+HALF_BITS = (1.5, 2.5, 3.5)
+CODEBOOKS = {0: "3inst", 1: "mcg", 2: "mul1"}
+OUT_DTYPES = ("f16", "bf16")
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    bm: int      # rows of x per block
+    nt: int      # 16-column tiles per warp (the block owns 128 columns)
+    kw: int      # warps splitting the k16 steps of a stage
+    ks: int      # k16 steps per pipeline stage
+    stages: int  # cp.async pipeline depth
+
+    @property
+    def threads(self) -> int:
+        return 32 * (8 // self.nt) * self.kw
+
+    def smem(self, bits: float) -> int:
+        w32 = 8 * int(bits) + (4 if bits != int(bits) else 0)
+        stage = self.ks * 8 * w32 * 4 + self.bm * (self.ks * 16 + 8) * 2
+        return max(self.stages * stage, self.bm * 132 * 4)
+
+
+# Must match the EXL3_TIER lines of exl3_linear.cu.
+TIERS = {t.name: t for t in (
+    Tier("m16", 16, 8, 8, 8, 4),
+    Tier("m32", 32, 4, 4, 8, 4),
+    Tier("m64", 64, 2, 4, 8, 3),
+    Tier("m128", 128, 1, 2, 4, 3),
+)}
+
+
+def all_bits() -> tuple:
+    return INTEGER_BITS + HALF_BITS
+
+
+def valid(bits: float, codebook: int) -> bool:
+    if bits in HALF_BITS:
+        return codebook == 2
+    return bits in INTEGER_BITS and codebook in CODEBOOKS
+
+
+def linear_defines(bits: float, codebook: int) -> dict:
+    if not valid(bits, codebook):
+        raise ValueError(f"no EXL3 kernel for K={bits} with codebook {CODEBOOKS.get(codebook, codebook)}: "
+                         "half-integer K exists only for mul1, K must be 1..8 or 1.5/2.5/3.5")
+    return {"EXL3_KA": int(bits), "EXL3_HALF": int(bits != int(bits)), "EXL3_CB": int(codebook)}
+
+
+def all_modules() -> list[tuple[str, dict]]:
+    """Every (source, defines) pair the package can load."""
+    mods = [(IO_SOURCE, {})]
+    for bits in all_bits():
+        for cb in CODEBOOKS:
+            if valid(bits, cb):
+                mods.append((LINEAR_SOURCE, linear_defines(bits, cb)))
+    return mods
+
+
+def gemm_kernel_name(tier: str, out_bf16: bool) -> str:
+    return f"exl3_gemm_{tier}_{'bf16' if out_bf16 else 'f16'}"

@@ -1,0 +1,169 @@
+"""GPU checks of torch.ops.exl3.linear against the fp64 format reference (run on a CUDA machine)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from exl3_vllm.format.hadamard import hadamard_128  # noqa: E402
+from exl3_vllm.format.reconstruct import w_hat  # noqa: E402
+from exl3_vllm.kernels import op as kop  # noqa: E402
+
+MS = (1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 129, 255, 256, 511, 1024, 2048, 4096)
+VARIANTS = [(b, cb) for b in (1, 2, 3, 4, 5, 6, 7, 8) for cb in (0, 1, 2)] + [(1.5, 2), (2.5, 2), (3.5, 2)]
+DTYPES = (torch.float16, torch.bfloat16)
+TOL = 1e-3
+REPORT = os.environ.get("EXL3_TEST_REPORT")
+DEV = torch.device("cuda")
+
+
+def _layer(k, n, bits, shards, gen):
+    w = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
+    trellis = torch.randint(-32768, 32768, (k // 16, n // 16, w), dtype=torch.int16, device=DEV, generator=gen)
+
+    def sv(*s):
+        sign = torch.where(torch.rand(*s, device=DEV, generator=gen) < 0.5, -1.0, 1.0)
+        return (sign * (0.5 + torch.rand(*s, device=DEV, generator=gen)) * 0.05).half()
+    return trellis, sv(shards, k), sv(n), (torch.randn(n, device=DEV, generator=gen) * 0.1).half()
+
+
+def _dense64(trellis, suh, svh, cb, sizes):
+    """Per-shard original-basis W in fp64, concatenated along n."""
+    wh = w_hat(trellis, cb).double()
+    k, n = wh.shape
+    h = hadamard_128(torch.float64, wh.device)
+    w = (h @ wh.reshape(k // 128, 128, n)).reshape(k, n)
+    w = (w.reshape(k, n // 128, 128) @ h).reshape(k, n) * svh.double()[None]
+    cols, c = [], 0
+    for s, width in enumerate(sizes):
+        cols.append(suh[s].double()[:, None] * w[:, c:c + width])
+        c += width
+    return torch.cat(cols, 1)
+
+
+def _rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def _report(line):
+    print(line)
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(line + "\n")
+
+
+@pytest.mark.parametrize("bits,cb", VARIANTS)
+def test_every_m_dtype_and_shards(bits, cb):
+    gen = torch.Generator(device=DEV).manual_seed(int(bits * 100) + cb)
+    k = 512
+    worst = {}
+    fails = []
+    for sizes in ([384], [128, 256, 128]):
+        n = sum(sizes)
+        trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
+        w64 = _dense64(trellis, suh, svh, cb, sizes)
+        use_bias = len(sizes) > 1
+        kop.prepare(k, n, bits, cb, max(MS), DEV, sizes)
+        for m in MS:
+            for dt in DTYPES:
+                x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
+                ref = x.double() @ w64 + (bias.double() if use_bias else 0)
+                out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+                kop.linear_cuda(x, trellis, suh if len(sizes) > 1 else suh[0], svh, bias if use_bias else None,
+                                sizes, cb, out=out)
+                torch.cuda.synchronize()
+                err = _rel(out, ref)
+                floor = _rel(ref.to(dt), ref)
+                key = (dt, len(sizes))
+                worst[key] = max(worst.get(key, 0.0), err)
+                if not (err <= TOL + floor) or torch.isnan(out).any():
+                    fails.append(f"m={m} {dt} shards={sizes}: err {err:.2e} (rounding floor {floor:.2e})")
+    for (dt, s), e in sorted(worst.items(), key=str):
+        _report(f"K={bits:g} cb={cb} {str(dt)[6:]:8s} shards={s} max_rel_err={e:.3e}")
+    assert not fails, "\n".join(fails[:20])
+
+
+def test_split_k_large_k_and_op_path():
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    k, n = 4096, 512
+    trellis, suh, svh, bias = _layer(k, n, 4, 1, gen)
+    w64 = _dense64(trellis, suh, svh, 2, [n])
+    for m in (1, 7, 16, 40, 64, 200, 300):
+        x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+        y = torch.ops.exl3.linear(x, trellis, suh[0], svh, bias, [n], 2)
+        ref = x.double() @ w64 + bias.double()
+        err, floor = _rel(y, ref), _rel(ref.bfloat16(), ref)
+        _report(f"k=4096 m={m} plan={kop.plan(m, k, n, 4, torch.cuda.get_device_properties(0).multi_processor_count)} err={err:.3e}")
+        assert err <= TOL + floor
+
+
+def test_reference_backend_env(monkeypatch):
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    trellis, suh, svh, _ = _layer(256, 256, 3, 1, gen)
+    x = torch.randn(4, 256, device=DEV, generator=gen).half()
+    monkeypatch.setenv("EXL3_VLLM_BACKEND", "reference")
+    a = torch.ops.exl3.linear(x, trellis, suh[0], svh, None, [256], 1)
+    monkeypatch.setenv("EXL3_VLLM_BACKEND", "auto")
+    b = torch.ops.exl3.linear(x, trellis, suh[0], svh, None, [256], 1)
+    assert _rel(b, a.double()) < 2e-3
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 512])
+def test_cuda_graph_replay_equals_eager(m, monkeypatch):
+    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
+    gen = torch.Generator(device=DEV).manual_seed(11 + m)
+    k, sizes = 2048, [512, 256]
+    n = sum(sizes)
+    trellis, suh, svh, bias = _layer(k, n, 4, 2, gen)
+    kop.prepare(k, n, 4, 2, 512, DEV, sizes)
+    x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+    eager = torch.ops.exl3.linear(x, trellis, suh, svh, bias, sizes, 2).clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.exl3.linear(x, trellis, suh, svh, bias, sizes, 2)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = torch.ops.exl3.linear(x, trellis, suh, svh, bias, sizes, 2)
+    y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager)
+    x.copy_(torch.randn(m, k, device=DEV, generator=gen).bfloat16())
+    g.replay()
+    eager2 = torch.ops.exl3.linear(x, trellis, suh, svh, bias, sizes, 2)
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager2)
+
+
+@pytest.mark.parametrize("m", [1, 8, 48, 128])
+def test_deterministic_bit_exact(m, monkeypatch):
+    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
+    gen = torch.Generator(device=DEV).manual_seed(5 + m)
+    k, n = 4096, 1024
+    trellis, suh, svh, bias = _layer(k, n, 3, 1, gen)
+    x = torch.randn(m, k, device=DEV, generator=gen).half()
+    p = kop.plan(m, k, n, 3, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert p.path == "dequant" or p.splits > 1, p
+    first = torch.ops.exl3.linear(x, trellis, suh[0], svh, bias, [n], 1)
+    for _ in range(19):
+        assert torch.equal(torch.ops.exl3.linear(x, trellis, suh[0], svh, bias, [n], 1), first)
+
+
+def test_bad_input_errors():
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    trellis, suh, svh, _ = _layer(256, 256, 4, 1, gen)
+    with pytest.raises(kop.KernelError, match="x must be fp16 or bf16"):
+        kop.linear_cuda(torch.randn(2, 256, device=DEV), trellis, suh[0], svh, None, [256], 2)
+    with pytest.raises(kop.KernelError, match="suh"):
+        kop.linear_cuda(torch.randn(2, 256, device=DEV).half(), trellis, suh[0].float(), svh, None, [256], 2)
+    with pytest.raises(kop.KernelError, match="half-integer"):
+        t2 = torch.randint(-32768, 32768, (16, 16, 40), dtype=torch.int16, device=DEV)
+        kop.linear_cuda(torch.randn(2, 256, device=DEV).half(), t2, suh[0], svh, None, [256], 0)
