@@ -42,12 +42,14 @@ def check_linear_args(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor,
 def linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
            codebook: str | int, bias: torch.Tensor | None = None,
            shard_sizes: Sequence[int] | None = None, out_dtype: torch.dtype | None = None,
-           compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           compute_dtype: torch.dtype = torch.float32,
+           decoded: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W (+ bias) for an EXL3 layer, or a fused layer of shards along n.
 
     A fused layer concatenates its shards' trellis and svh along n and stacks
     one suh row per shard.  Works on any device; compute_dtype sets the
-    precision of everything after the exact fp16 decode.
+    precision of everything after the exact fp16 decode.  `decoded` is
+    w_hat(trellis) when the caller keeps it, to skip decoding on every call.
     """
     sizes = check_linear_args(x, trellis, suh, svh, bias, shard_sizes)
     lead = x.shape[:-1]
@@ -59,7 +61,8 @@ def linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch
     for s, width in enumerate(sizes):
         xh = had_128(xs * suh2[s])
         t0, t1 = col // 16, (col + width) // 16
-        z = xh @ w_hat(trellis[:, t0:t1], codebook).to(compute_dtype)
+        wh = decoded[:, col:col + width] if decoded is not None else w_hat(trellis[:, t0:t1], codebook)
+        z = xh @ wh.to(compute_dtype)
         outs.append(had_128(z))
         col += width
     y = torch.cat(outs, dim=-1) * svh.to(compute_dtype)

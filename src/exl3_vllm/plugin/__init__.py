@@ -1,0 +1,23 @@
+"""vLLM plugin entry point: registers the "exl3" quantization method."""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    """Called by vLLM in every process through the vllm.general_plugins entry point."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    import torch
+
+    # vLLM's CPU bf16 attention uses AMX tiles, which Linux grants per process on request.
+    init_amx = getattr(torch.cpu, "_init_amx", None)
+    if init_amx is not None:
+        try:
+            init_amx()
+        except Exception:  # noqa: BLE001 - a CPU without AMX simply has nothing to enable
+            pass
+    from . import config  # noqa: F401  (the import registers the config class)

@@ -1,0 +1,148 @@
+"""Exl3Config: vLLM's view of an EXL3 checkpoint, module by module."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from ..format.checkpoint import Checkpoint, DenseSpec, Exl3Spec
+from ..format.errors import Exl3FormatError
+from . import compat
+from .names import NameResolver
+
+logger = logging.getLogger("exl3_vllm")
+
+
+def debug_names() -> bool:
+    return os.environ.get("EXL3_VLLM_DEBUG_NAMES", "") not in ("", "0")
+
+
+def _resolve_dir(model: str, revision: str | None) -> str:
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means the files are not here
+        raise Exl3FormatError(f"cannot find the checkpoint files for {model!r} ({type(e).__name__})",
+                              fix="pass a local directory or download the model first") from None
+
+
+@register_quantization_config("exl3")
+class Exl3Config(QuantizationConfig):
+    """Per-module EXL3 specs, read from the checkpoint's headers."""
+
+    def __init__(self, quant_config: dict[str, Any]):
+        super().__init__()
+        self.quant_config = dict(quant_config)
+        self.checkpoint: Checkpoint | None = None
+        self._resolver: tuple[tuple, NameResolver] | None = None
+
+    def __repr__(self) -> str:
+        return f"Exl3Config(bits={self.quant_config.get('bits')}, path={getattr(self.checkpoint, 'path', None)})"
+
+    # ---- vLLM's QuantizationConfig contract ------------------------------------------------
+    @classmethod
+    def get_name(cls) -> str:
+        return "exl3"
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Exl3Config":
+        if config.get("quant_method") != "exl3":
+            raise Exl3FormatError(f"quantization_config has quant_method {config.get('quant_method')!r}, "
+                                  "not 'exl3'", file="config.json")
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        if isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") == "exl3":
+            return "exl3"
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None):
+        self.load_checkpoint(_resolve_dir(model_name, revision))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Read the checkpoint's headers once; every layer's spec comes from them."""
+        if self.checkpoint is not None and self.checkpoint.path == os.path.abspath(path):
+            return
+        self.checkpoint = Checkpoint(path)
+        self._resolver = None
+        for w in self.checkpoint.warnings:
+            logger.warning("exl3: %s", w)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+        from .linear_method import Exl3LinearMethod
+
+        if self.checkpoint is None:
+            raise Exl3FormatError("the EXL3 config was used before its checkpoint was read",
+                                  fix="load the model through vLLM (maybe_update_config reads the headers)")
+        experts_cls = compat.routed_experts_class()
+        if isinstance(layer, (LinearBase, ParallelLMHead)):
+            specs = self.specs_for(prefix)
+            kinds = {type(s).__name__ for _, s in specs if s is not None}
+            if debug_names():
+                logger.warning("exl3 names: %s -> %s", prefix,
+                               ", ".join(f"{n}={getattr(s, 'key', None)}:{type(s).__name__ if s else 'missing'}"
+                                         for n, s in specs))
+            if "Exl3Spec" in kinds:
+                if kinds != {"Exl3Spec"} or any(s is None for _, s in specs):
+                    raise Exl3FormatError(
+                        f"vLLM fuses {[n for n, _ in specs]} into {prefix!r}, but only some of them are EXL3 "
+                        f"in the checkpoint ({[(n, type(s).__name__ if s else 'missing') for n, s in specs]})",
+                        file=self.checkpoint.path, tensor=prefix,
+                        fix="mixed quantized/unquantized shards of one fused layer are not supported")
+                return Exl3LinearMethod(self, prefix, [s for _, s in specs])
+            if isinstance(layer, ParallelLMHead):
+                return None
+            return compat.unquantized_linear_method()
+        if experts_cls is not None and isinstance(layer, experts_cls):
+            head, _, _ = prefix.rpartition(".")
+            if any(k.startswith(prefix + ".") and isinstance(s, Exl3Spec)
+                   for k, s in self.checkpoint.modules.items()):
+                raise Exl3FormatError(f"{prefix!r} holds EXL3 mixture-of-experts weights, which this version "
+                                      "of exl3-vllm does not serve yet", file=self.checkpoint.path,
+                                      fix="use a dense model, or a release with MoE support")
+            return None
+        return None
+
+    @property
+    def resolver(self) -> NameResolver:
+        # The model fills packed_modules_mapping after the config is built, so rebuild on change.
+        packed = getattr(self, "packed_modules_mapping", None) or {}
+        tag = tuple(sorted((k, tuple(v)) for k, v in packed.items()))
+        if self._resolver is None or self._resolver[0] != tag:
+            self._resolver = (tag, NameResolver(self.checkpoint.modules.keys(), packed))
+        return self._resolver[1]
+
+    def specs_for(self, prefix: str) -> list[tuple[str, Exl3Spec | DenseSpec | None]]:
+        """The checkpoint module of each shard of a vLLM layer (None where there is none)."""
+        out = []
+        for name, keys in self.resolver.shards(prefix):
+            if len(keys) > 1:
+                raise Exl3FormatError(f"{prefix!r} is stored as {len(keys)} slices ({keys[0]}, ...), which "
+                                      "this version does not join yet", file=self.checkpoint.path,
+                                      fix="re-convert without MLP slicing")
+            out.append((name, self.checkpoint.modules[keys[0]] if keys else None))
+        return out

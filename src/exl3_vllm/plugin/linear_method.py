@@ -1,0 +1,212 @@
+"""Exl3LinearMethod: EXL3 weights in vLLM's linear layers, sharded for tensor parallelism."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from ..format import codebook as cb
+from ..format.checkpoint import Exl3Spec, signs_to_half
+from ..format.errors import Exl3FormatError
+from ..format.hadamard import HAD
+from ..format.reconstruct import w_hat
+from .op import exl3_linear, prepare_layer
+
+_QKV = {"q": 0, "k": 1, "v": 2}
+
+
+def _kind(layer: torch.nn.Module) -> str:
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if isinstance(layer, RowParallelLinear):
+        return "row"
+    if isinstance(layer, ParallelLMHead):
+        return "head"
+    return "column"  # Column, Merged, QKV and Replicated (tp_size 1) all split n, if at all
+
+
+def _tp_hint(width: int, tp: int) -> str:
+    ok = [d for d in (1, 2, 4, 8, 16) if width % d == 0 and (width // d) % HAD == 0]
+    return f"tensor_parallel_size in {ok}" if ok else "tensor_parallel_size 1"
+
+
+class Exl3LinearMethod(LinearMethodBase):
+    """One (possibly fused) EXL3 linear; shards must share K and codebook."""
+
+    def __init__(self, config, prefix: str, specs: list[Exl3Spec]):
+        self.config = config
+        self.prefix = prefix
+        self.specs = specs
+        first = specs[0]
+        for s in specs[1:]:
+            if s.bits != first.bits or s.codebook != first.codebook or s.legacy_signs != first.legacy_signs:
+                raise Exl3FormatError(
+                    f"vLLM fuses {[x.key for x in specs]} into one layer, but they are stored with different "
+                    f"bits/codebooks ({[(x.key, x.bits, x.codebook) for x in specs]})",
+                    file=config.checkpoint.path, tensor=prefix,
+                    fix="this version needs every shard of a fused layer at the same K and codebook")
+        self.bits, self.codebook = first.bits, first.codebook
+        self.width = first.tensors["trellis"].shape[2]
+        self.legacy = first.legacy_signs
+
+    # ---- weights -----------------------------------------------------------------------------
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        kind = _kind(layer)
+        tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+        if len(output_partition_sizes) != len(self.specs):
+            raise Exl3FormatError(f"vLLM gives {len(output_partition_sizes)} output partitions for "
+                                  f"{self.prefix!r} but the checkpoint has {len(self.specs)} modules for it",
+                                  file=self.config.checkpoint.path, tensor=self.prefix)
+        replicas = getattr(layer, "num_kv_head_replicas", 1)
+        plan = []  # per shard: (ckpt column tile offset, param column offset, width, logical width)
+        col = 0
+        for i, (spec, part) in enumerate(zip(self.specs, output_partition_sizes)):
+            if kind == "row":
+                logical_k = input_size
+                width, start = spec.n, 0
+                if spec.n < part or spec.n - part >= HAD:
+                    raise self._shape_error(spec, f"n={spec.n}", f"{part}")
+            else:
+                logical_k = input_size_per_partition
+                rank = tp_rank // replicas if kind != "head" and i > 0 and replicas > 1 else tp_rank
+                if tp_size == 1:
+                    if kind != "head" and (spec.n < part or spec.n - part >= HAD):
+                        raise self._shape_error(spec, f"n={spec.n}", f"{part}")
+                    width, start = spec.n, 0
+                else:
+                    if part % HAD:
+                        raise Exl3FormatError(
+                            f"{self.prefix}: shard {spec.key} is {part} columns per rank at "
+                            f"tensor_parallel_size={tp_size}; EXL3 can only split on multiples of 128 columns",
+                            file=self.config.checkpoint.path, tensor=spec.key,
+                            fix=f"use {_tp_hint(part * tp_size // max(1, replicas if i else 1), tp_size)}")
+                    width, start = part, rank * part
+                    if start + width > spec.n:
+                        raise self._shape_error(spec, f"n={spec.n}", f"{start + width} at rank {tp_rank}")
+            plan.append((start, col, width, min(part, width)))
+            col += width
+        if kind == "row":
+            if input_size_per_partition % HAD:
+                raise Exl3FormatError(
+                    f"{self.prefix}: {input_size_per_partition} input rows per rank at "
+                    f"tensor_parallel_size={tp_size}; EXL3 can only split on multiples of 128 rows",
+                    file=self.config.checkpoint.path, tensor=self.specs[0].key,
+                    fix=f"use {_tp_hint(input_size, tp_size)}")
+            k_param = input_size_per_partition if tp_size > 1 else self.specs[0].k
+            k_start = tp_rank * input_size_per_partition if tp_size > 1 else 0
+        else:
+            k_param, k_start = self.specs[0].k, 0
+        for spec in self.specs:
+            if spec.k < logical_k or spec.k - logical_k >= HAD or (kind == "row" and tp_size > 1
+                                                                    and spec.k != input_size):
+                raise self._shape_error(spec, f"k={spec.k}", f"{logical_k}")
+        n_total = col
+        nshard = len(self.specs)
+        params = {
+            "trellis": torch.empty(k_param // 16, n_total // 16, self.width, dtype=torch.int16),
+        }
+        if self.legacy:
+            params["su"] = torch.empty(nshard, k_param // 16, dtype=torch.int16)
+            params["sv"] = torch.empty(n_total // 16, dtype=torch.int16)
+        else:
+            params["suh"] = torch.empty(nshard, k_param, dtype=torch.float16)
+            params["svh"] = torch.empty(n_total, dtype=torch.float16)
+        if self.codebook != "3inst":
+            params[self.codebook] = torch.empty((), dtype=torch.int32)
+        layer.exl3_plan = plan
+        layer.exl3_kind = kind
+        layer.exl3_k_start = k_start
+        layer.exl3_logical_k = logical_k if kind != "row" else input_size_per_partition
+        layer.exl3_out = sum(p[3] for p in plan)
+        for name, data in params.items():
+            p = torch.nn.Parameter(data, requires_grad=False)
+            set_weight_attrs(p, {"weight_loader": self._loader(layer, name)})
+            layer.register_parameter(name, p)
+
+    def _shape_error(self, spec: Exl3Spec, have: str, want: str) -> Exl3FormatError:
+        return Exl3FormatError(f"{self.prefix}: the checkpoint's {spec.key} has {have} but vLLM's layer needs "
+                               f"{want}", file=self.config.checkpoint.path, tensor=spec.key,
+                               fix="the checkpoint does not belong to this model config")
+
+    def _shard_index(self, shard_id) -> int:
+        if shard_id is None:
+            if len(self.specs) != 1:
+                raise Exl3FormatError(f"{self.prefix}: a tensor arrived fused on disk, but EXL3 stores each shard "
+                                      "separately", file=self.config.checkpoint.path, tensor=self.prefix)
+            return 0
+        if isinstance(shard_id, str):
+            return _QKV[shard_id]
+        if isinstance(shard_id, tuple):
+            shard_id = shard_id[0]
+        return int(shard_id)
+
+    def _loader(self, layer, name: str):
+        def load(param, loaded_weight: torch.Tensor, shard_id=None, *args, **kwargs):
+            s = self._shard_index(shard_id)
+            spec = self.specs[s]
+            src_start, dst_col, width, _ = layer.exl3_plan[s]
+            kind, k0 = layer.exl3_kind, layer.exl3_k_start
+            w = loaded_weight
+            if name in ("mcg", "mul1"):
+                value = int(w.reshape(-1)[0])
+                if value != cb.MARKER_VALUES[name]:
+                    raise Exl3FormatError(f"codebook marker holds {value}, expected {cb.MARKER_VALUES[name]}",
+                                          file=self.config.checkpoint.path, tensor=f"{spec.key}.{name}")
+                param.data.fill_(value)
+                return
+            k_rows = param.shape[1] if name in ("suh", "su") else param.shape[0]
+            if name == "trellis":
+                w = w.narrow(0, k0 // 16, k_rows).narrow(1, src_start // 16, width // 16)
+                param.data[:, dst_col // 16:(dst_col + width) // 16].copy_(w)
+            elif name in ("suh", "su"):
+                unit = 1 if name == "suh" else 16
+                param.data[s].copy_(w.narrow(0, k0 // unit, k_rows))
+            else:
+                unit = 1 if name == "svh" else 16
+                param.data[dst_col // unit:(dst_col + width) // unit].copy_(w.narrow(0, src_start // unit,
+                                                                                     width // unit))
+        return load
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.legacy:
+            suh = torch.stack([signs_to_half(r) for r in layer.su.data])
+            svh = signs_to_half(layer.sv.data)
+            del layer.su, layer.sv
+            layer.register_parameter("suh", torch.nn.Parameter(suh, requires_grad=False))
+            layer.register_parameter("svh", torch.nn.Parameter(svh, requires_grad=False))
+        plan = layer.exl3_plan
+        layer.exl3_shard_sizes = [p[2] for p in plan]
+        trims = [(p[1], p[3]) for p in plan if p[3] != p[2]]
+        layer.exl3_keep = None
+        if trims:
+            keep = torch.cat([torch.arange(p[1], p[1] + p[3]) for p in plan])
+            layer.exl3_keep = keep.to(layer.trellis.device)
+        layer.exl3_codebook = cb.CODEBOOK_IDS[self.codebook]
+        # The CPU path keeps the exact fp16 decode instead of decoding on every forward.
+        layer.exl3_decoded = w_hat(layer.trellis.data, self.codebook) if layer.trellis.device.type == "cpu" \
+            else None
+        prepare_layer(layer.trellis.data, layer.exl3_shard_sizes, layer.exl3_codebook)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        k = layer.trellis.shape[0] * 16
+        if x2.shape[-1] != k:
+            x2 = F.pad(x2, (0, k - x2.shape[-1]))
+        fused_bias = bias if layer.exl3_keep is None else None
+        y = exl3_linear(x2, layer.trellis, layer.suh, layer.svh, fused_bias, layer.exl3_shard_sizes,
+                        layer.exl3_codebook, layer.exl3_decoded)
+        if layer.exl3_keep is not None:
+            y = y.index_select(1, layer.exl3_keep)
+            if bias is not None:
+                y = y + bias
+        return y.reshape(*lead, y.shape[-1])
+
+    def embedding(self, layer, *args, **kwargs):
+        raise Exl3FormatError(f"{self.prefix}: an EXL3 head cannot double as the token embedding",
+                              fix="the checkpoint must not tie word embeddings")

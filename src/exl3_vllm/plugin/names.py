@@ -1,0 +1,55 @@
+"""vLLM module prefixes -> checkpoint module keys."""
+
+from __future__ import annotations
+
+import re
+
+from ..format.errors import Exl3FormatError
+
+# Wrappers that vLLM and checkpoints add around the same module path.
+_WRAPPERS = ("model.", "language_model.", "lm.", "text_model.")
+_DEFAULT_PACKED = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+}
+_SLICE = re.compile(r"\.slice\.(\d+)$")
+
+
+def canonical(key: str) -> str:
+    """Strip wrapper prefixes so that vLLM and checkpoint paths compare equal."""
+    parts = key.split(".")
+    keep = [p for p in parts if p + "." not in _WRAPPERS]
+    return ".".join(keep)
+
+
+class NameResolver:
+    """Finds the checkpoint keys behind a vLLM layer prefix."""
+
+    def __init__(self, checkpoint_keys, packed_modules_mapping: dict | None = None):
+        self.keys = set(checkpoint_keys)
+        self.by_canonical: dict[str, list[str]] = {}
+        for k in self.keys:
+            self.by_canonical.setdefault(canonical(_SLICE.sub("", k)), []).append(k)
+        self.packed = dict(_DEFAULT_PACKED)
+        if packed_modules_mapping:
+            self.packed.update({k: list(v) for k, v in packed_modules_mapping.items()})
+
+    def lookup(self, key: str) -> list[str]:
+        """Checkpoint keys (slices in order) for one unfused module, or []."""
+        if key in self.keys:
+            return [key]
+        found = self.by_canonical.get(canonical(key), [])
+        if len(found) > 1 and all(_SLICE.search(f) for f in found):
+            return sorted(found, key=lambda f: int(_SLICE.search(f).group(1)))
+        if len(found) > 1:
+            raise Exl3FormatError(f"vLLM module {key!r} matches several checkpoint modules {sorted(found)}",
+                                  fix="rename the checkpoint's modules so each path is unique")
+        return found
+
+    def shards(self, prefix: str) -> list[tuple[str, list[str]]]:
+        """(shard name, checkpoint keys) for each shard a vLLM layer fuses, or one for itself."""
+        head, _, last = prefix.rpartition(".")
+        own = self.lookup(prefix)
+        if own or last not in self.packed:
+            return [(last, own)]
+        return [(s, self.lookup(f"{head}.{s}" if head else s)) for s in self.packed[last]]

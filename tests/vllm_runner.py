@@ -1,0 +1,29 @@
+"""Runs one vLLM CPU engine in its own process and prints its results as JSON.
+
+Usage: python vllm_runner.py MODEL_DIR DTYPE PROMPTS_JSON MAX_TOKENS
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+
+    model, dtype, prompts, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    llm = LLM(model=model, dtype=dtype, max_model_len=256, max_num_seqs=8, enforce_eager=True,
+              distributed_executor_backend="uni", seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=1)
+    results = []
+    for out in llm.generate(prompts, params):
+        prompt_lp = []
+        for tok, lp in zip(out.prompt_token_ids[1:], (out.prompt_logprobs or [None])[1:]):
+            prompt_lp.append(lp[tok].logprob if lp and tok in lp else None)
+        results.append({"prompt_ids": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids),
+                        "prompt_logprobs": prompt_lp})
+    print("RESULT " + json.dumps(results), flush=True)
