@@ -41,10 +41,16 @@ def env():
     return e
 
 
-def run_vllm(model, dtype):
+def run_vllm(model, dtype, tp=1, check=True):
+    e = env()
+    if tp > 1:
+        e.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_runner.py"), model, dtype,
-                           json.dumps(PROMPTS), str(MAX_TOKENS)], capture_output=True, text=True,
-                          timeout=600, env=env())
+                           json.dumps(PROMPTS), str(MAX_TOKENS), str(tp)], capture_output=True, text=True,
+                          timeout=600, env=e)
+    if not check:
+        return proc
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"vLLM failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
@@ -167,3 +173,24 @@ def test_malformed_checkpoint_fails_fast_with_our_message(tmp_path):
     out = proc.stdout + proc.stderr
     assert "quantization_config.json" in out and key in out and "bits_per_weight 3 but the trellis holds 4" in out
     assert time.time() - t0 < 120
+
+
+def test_tensor_parallel_2_equals_tp1_and_128_rule_fails_fast(tmp_path):
+    from exl3_vllm.synth import load_config
+
+    cfg = dict(load_config("tiny-llama"), num_key_value_heads=4)  # k/v 256 wide: 128 per rank at TP=2
+    good = str(tmp_path / "tp_ok")
+    bits_map = tmp_path / "bits.json"
+    bits_map.write_text(json.dumps({"model.layers.0.*": 3, "model.layers.1.mlp.*": 6}))
+    synthesize(cfg, good, bits=4, head_bits=6, bits_map=str(bits_map), seed=6)
+    tp1 = run_vllm(good, "float32", tp=1)
+    tp2 = run_vllm(good, "float32", tp=2)
+    assert [r["tokens"] for r in tp2] == [r["tokens"] for r in tp1]
+    bad = str(tmp_path / "tp_bad")
+    synthesize("tiny-llama", bad, bits=4, seed=6)  # k/v are 128 wide: 64 per rank at TP=2
+    t0 = time.time()
+    proc = run_vllm(bad, "float32", tp=2, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "k_proj" in out and "multiples of 128" in out and "tensor_parallel_size in [1]" in out, out[-3000:]
+    assert time.time() - t0 < 240

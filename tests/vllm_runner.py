@@ -1,6 +1,6 @@
 """Runs one vLLM CPU engine in its own process and prints its results as JSON.
 
-Usage: python vllm_runner.py MODEL_DIR DTYPE PROMPTS_JSON MAX_TOKENS
+Usage: python vllm_runner.py MODEL_DIR DTYPE PROMPTS_JSON MAX_TOKENS [TP]
 """
 
 import json
@@ -15,8 +15,11 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
     model, dtype, prompts, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-    llm = LLM(model=model, dtype=dtype, max_model_len=256, max_num_seqs=8, enforce_eager=True,
-              distributed_executor_backend="uni", seed=0)
+    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    # Tensor parallelism needs worker processes; one rank runs in this process.
+    backend = {"distributed_executor_backend": "uni"} if tp == 1 else {"tensor_parallel_size": tp}
+    llm = LLM(model=model, dtype=dtype, max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=0,
+              **backend)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
                             prompt_logprobs=1)
     results = []
