@@ -85,7 +85,8 @@ def _read_json(path: str, what: str) -> dict:
     except FileNotFoundError:
         raise Exl3FormatError(f"{what} is missing", file=path,
                               fix="point at the directory exllamav3's converter wrote") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    # ValueError also covers integers longer than Python's int_max_str_digits.
+    except (ValueError, RecursionError) as e:
         raise Exl3FormatError(f"{what} is not valid JSON ({type(e).__name__}: {e})", file=path,
                               fix="repair or re-download the file") from None
     except OSError as e:
@@ -96,7 +97,7 @@ def _read_json(path: str, what: str) -> dict:
 
 
 def _inside(root: str, name: object, index_path: str) -> str:
-    if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name \
+    if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name or "\0" in name \
             or any(part in ("..", "") for part in name.split("/")):
         raise Exl3FormatError(f"weight_map names file {name!r}, which is not a plain relative path "
                               "inside the checkpoint", file=index_path, fix="repair the index")
@@ -163,9 +164,11 @@ class Checkpoint:
             return {}
         data = _read_json(path, "quantization_config.json")
         ts = data.get("tensor_storage", {})
-        if not isinstance(ts, dict) or not all(isinstance(v, dict) for v in ts.values()):
+        # Name the first offending module so the user knows where to look.
+        bad = [k for k, v in ts.items() if not isinstance(v, dict)][:1] if isinstance(ts, dict) else []
+        if not isinstance(ts, dict) or bad:
             raise Exl3FormatError("tensor_storage must map module names to objects", file=path,
-                                  fix="repair or re-download the file")
+                                  tensor=bad[0] if bad else None, fix="repair or re-download the file")
         return ts
 
     def _read_tensors(self) -> dict[str, TensorInfo]:
@@ -192,6 +195,8 @@ class Checkpoint:
                     tensors[name] = infos[name]
             return tensors
         single = os.path.join(self.path, SINGLE_FILE)
+        if os.path.exists(single) and not os.path.isfile(single):
+            raise Exl3FormatError("not a regular file", file=single, fix="replace it with the model's safetensors file")
         if not os.path.isfile(single):
             raise Exl3FormatError(f"neither {SINGLE_FILE} nor {INDEX_FILE} exists", file=self.path,
                                   fix="download the model's safetensors files")
@@ -297,7 +302,8 @@ class Checkpoint:
                     raise Exl3FormatError(f"tensor_storage says quant_format {fmt!r} but the module has a trellis",
                                           file=path, tensor=key, fix="the file does not match the tensors")
                 bpw = entry.get("bits_per_weight")
-                if bpw is not None and (not isinstance(bpw, (int, float)) or float(bpw) != float(spec.bits)):
+                # Exact comparison: float() of a huge JSON integer would overflow; bools are not numbers here.
+                if bpw is not None and (type(bpw) not in (int, float) or bpw != spec.bits):
                     raise Exl3FormatError(
                         f"tensor_storage says bits_per_weight {bpw!r} but the trellis holds {spec.bits} bits",
                         file=path, tensor=key, fix="the config does not match the tensors; re-convert")
@@ -310,7 +316,7 @@ class Checkpoint:
                     raise Exl3FormatError("tensor_storage lists this tensor but no safetensors file has it",
                                           file=path, tensor=tname, fix="the checkpoint is incomplete")
                 shape = meta.get("shape") if isinstance(meta, dict) else None
-                if shape is not None and list(shape) != list(info.shape):
+                if shape is not None and (not isinstance(shape, list) or shape != list(info.shape)):
                     raise Exl3FormatError(f"tensor_storage gives shape {shape} but the file holds "
                                           f"{list(info.shape)}", file=path, tensor=tname,
                                           fix="the config does not match the tensors")
@@ -321,7 +327,8 @@ class Checkpoint:
     def _check_bits(self) -> None:
         stated = self.quantization_config.get("bits")
         avg = self.average_bpw()
-        if isinstance(stated, (int, float)) and avg is not None and abs(float(stated) - avg) > 0.015:
+        # abs(stated) > 64 first: a huge JSON integer cannot be turned into a float; NaN also warns.
+        if type(stated) in (int, float) and avg is not None and (abs(stated) > 64 or not abs(stated - avg) <= 0.015):
             self.warnings.append(f"config.json says bits={stated} but the decoder linears average {avg:.2f} bpw")
         for spec in self.exl3_modules():
             if spec.half_bits:

@@ -59,7 +59,8 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                               fix="check that the checkpoint is complete and readable") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    # ValueError also covers integers longer than Python's int_max_str_digits.
+    except (ValueError, RecursionError) as e:
         raise _bad(path, f"header is not valid JSON ({type(e).__name__})") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
@@ -78,13 +79,20 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < (1 << 40) for d in shape):
             raise _bad(path, f"invalid shape {shape!r}", name)
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
-                or not 0 <= offs[0] <= offs[1] <= data_len):
+                or not 0 <= offs[0] <= offs[1]):
+            raise _bad(path, f"invalid data_offsets {offs!r} (need [begin, end] with 0 <= begin <= end)", name)
+        if offs[1] > data_len:
             raise _bad(path, f"data_offsets {offs!r} outside the {data_len}-byte data section "
                              "(truncated file?)", name)
         nbytes = prod(shape) * DTYPE_SIZES[dtype]
         if offs[1] - offs[0] != nbytes:
             raise _bad(path, f"data_offsets span {offs[1] - offs[0]} bytes but {dtype}{shape} needs {nbytes}", name)
         infos[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + offs[0], nbytes)
+    # Tensors sharing bytes mean a corrupt header (the safetensors library refuses them too).
+    spans = sorted((i.offset, i.offset + i.nbytes, i.name) for i in infos.values() if i.nbytes)
+    for (_, end, prev), (start, _, name) in zip(spans, spans[1:]):
+        if start < end:
+            raise _bad(path, f"data overlaps that of tensor '{prev}'", name)
     return infos, meta
 
 
