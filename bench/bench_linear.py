@@ -78,6 +78,9 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default="2026-12-01-linear-h200")
+    ap.add_argument("--layers", default="", help="e.g. 4096x4096,8192x28672 (default: all)")
+    ap.add_argument("--ms", default="", help="e.g. 1,16,64 (default: the full grid)")
+    ap.add_argument("--configs", default="", help="e.g. 4:mul1,4:mcg (default: all)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -89,6 +92,11 @@ def main():
     layers = LAYERS
     if args.quick:
         layers = [(4096, 14336), (8192, 28672)]
+    if args.layers:
+        layers = [tuple(int(v) for v in l.split("x")) for l in args.layers.split(",")]
+    if args.configs:
+        configs = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.configs.split(",")]
+    sel_ms = [int(v) for v in args.ms.split(",")] if args.ms else None
     rows = []
     for (k, n) in layers:
         # bf16 baseline weights, rotated
@@ -107,6 +115,8 @@ def main():
                 ms = [1, 16, 64, 256]
             if args.quick:
                 ms = [m for m in ms if m in (1, 16, 64, 256, 2048)]
+            if sel_ms:
+                ms = [m for m in ms if m in sel_ms]
             cb = CB[cbn]
             w = 16 * bits
             tbytes = k * n * bits // 8
@@ -129,6 +139,8 @@ def main():
                 paths = [("auto", None)]
                 if m in (64, 128, 256, 512, 1024) and bits == 4 and cbn == "mul1":
                     paths = [("auto", None), ("m128", "m128"), ("dequant", "dequant")]
+                if m <= 8 and cbn == "mul1":
+                    paths.append(("m16", "m16"))  # the fp16 tier the int8 tier replaces
                 for pname, force in paths:
                     if force:
                         os.environ["EXL3_VLLM_TIER"] = force
@@ -142,7 +154,7 @@ def main():
                     nbytes = tbytes + m * k * 2 + m * n * 2
                     flops = 2 * m * k * n
                     floor = max(nbytes / bw * 2, k * n / decode_rate, flops / gemm_rate)  # bw counts read+write
-                    p = kop.plan(m, k, n, bits, sms) if not force else force
+                    p = kop.plan(m, k, n, bits, sms, codebook=cb) if not force else force
                     row = dict(layer=f"{k}x{n}", K=bits, cb=cbn, M=m, path=pname,
                                plan=str(p) if not force else force, ours_us=round(t_ours, 2), bf16_us=round(tb, 2),
                                speedup=round(tb / t_ours, 3), GBps=round(nbytes / t_ours / 1e3, 1),

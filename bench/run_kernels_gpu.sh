@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: GPU kernel tests, then the linear benchmark; logs and results land in $OUT.
+# One device call: compile sweep, GPU kernel tests, then the linear benchmark; logs and results land in $OUT.
+# MODE: all | tests | bench.  BENCH_ARGS narrows the grid (e.g. --layers 8192x28672 --ms 1,16 --configs 4:mul1).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -9,10 +10,14 @@ python3 -c "import torch, cuda.bindings; print(torch.__version__, cuda.bindings.
 MODE=${1:-all}
 python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 --jobs 16 > "$OUT/compile_sm90.txt" 2>&1; echo "compile rc=$? $(tail -1 $OUT/compile_sm90.txt)"
 if [ "$MODE" != "bench" ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -m gpu tests/test_kernels_gpu.py ${PYTEST_ARGS:-} 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -m gpu tests/test_kernels_gpu.py ${PYTEST_ARGS:-} > "$OUT/gpu_tests.txt" 2>&1
+  echo "tests rc=$?"; tail -4 "$OUT/gpu_tests.txt"
+  grep -E "FAIL|Error|error" "$OUT/gpu_tests.txt" | head -20
 fi
 if [ "$MODE" != "tests" ]; then
-  timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_linear.py ${BENCH_ARGS:-} --out-dir "$OUT" 2>&1 | tee "$OUT/bench.txt" | grep -v "^ " | tail -5
-  cp "$OUT"/2026-12-01-linear-h200.* bench/results/ 2>/dev/null
-  grep -E "M=(1|16|64|256|2048) " "$OUT/bench.txt" | tail -40
+  timeout ${BENCH_TIMEOUT:-400} python3 bench/bench_linear.py ${BENCH_ARGS:-} --out-dir "$OUT" > "$OUT/bench.txt" 2>&1
+  echo "bench rc=$?"
+  grep -E "copy bandwidth|decode-only" "$OUT/bench.txt"
+  grep -E " auto " "$OUT/bench.txt" | sed -E 's/ +/ /g'
+  grep -E " (m128|dequant) " "$OUT/bench.txt" | sed -E 's/ +/ /g' | cut -c1-80
 fi

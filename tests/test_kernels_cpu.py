@@ -74,6 +74,19 @@ def test_plan_shapes():
     assert kop.plan(4096, 4096, 4096, 4, 132).path == "dequant"
 
 
+def test_plan_int8_tier(monkeypatch):
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "i8"
+    assert kop.plan(8, 4096, 4096, 2.5, 132, codebook=2).tier == "i8"
+    assert kop.plan(9, 4096, 4096, 4, 132, codebook=2).tier == "m16"
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=1).tier == "m16"
+    assert kop.plan(1, 65536 + 128, 4096, 4, 132, codebook=2, smem_limit=1 << 20).tier == "m16"
+    monkeypatch.setenv("EXL3_VLLM_INT8", "0")
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "m16"
+    monkeypatch.setenv("EXL3_VLLM_TIER", "i8")
+    with pytest.raises(kop.KernelError, match="mul1"):
+        kop.plan(1, 4096, 4096, 4, 132, codebook=1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fake_impl_shapes(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -103,6 +103,39 @@ def test_split_k_large_k_and_op_path():
         assert err <= TOL + floor
 
 
+@pytest.mark.parametrize("bits", [4, 2.5, 7])
+def test_int8_tier_wide_k_fused(bits, monkeypatch):
+    """The mul1 int8 tier at wide k (input transform in shared memory, long int32 sums) equals the fp16 path."""
+    gen = torch.Generator(device=DEV).manual_seed(int(bits * 10))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for k, sizes in ((8192, [256, 128]), (28672, [384])):
+        n = sum(sizes)
+        trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
+        w64 = _dense64(trellis, suh, svh, 2, sizes)
+        sh = suh if len(sizes) > 1 else suh[0]
+        for m in (1, 3, 8):
+            assert kop.plan(m, k, n, bits, sms, codebook=2).tier == "i8"
+            assert kop.plan(m, k, n, bits, sms, codebook=2).stream > 0
+            for dt in DTYPES:
+                x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(dt)
+                ref = x.double() @ w64 + bias.double()
+                floor = _rel(ref.to(dt), ref)
+                out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+                kop.linear_cuda(x, trellis, sh, svh, bias, sizes, 2, out=out)
+                monkeypatch.setenv("EXL3_VLLM_INT8", "0")
+                fp = kop.linear_cuda(x, trellis, sh, svh, bias, sizes, 2)
+                monkeypatch.delenv("EXL3_VLLM_INT8")
+                monkeypatch.setenv("EXL3_VLLM_STREAMK", "0")
+                fixed = kop.linear_cuda(x, trellis, sh, svh, bias, sizes, 2)
+                monkeypatch.delenv("EXL3_VLLM_STREAMK")
+                torch.cuda.synchronize()
+                err, err_fp, err_fixed = _rel(out, ref), _rel(fp, ref), _rel(fixed, ref)
+                _report(f"int8 tier K={bits:g} k={k} m={m} {str(dt)[6:]} stream-k err={err:.3e} fixed-split "
+                        f"err={err_fixed:.3e} (fp16 tier {err_fp:.3e})")
+                assert not torch.isnan(out).any() and err <= TOL + floor, (k, m, dt, err)
+                assert err_fixed <= TOL + floor, (k, m, dt, err_fixed)
+
+
 def test_reference_backend_env(monkeypatch):
     gen = torch.Generator(device=DEV).manual_seed(3)
     trellis, suh, svh, _ = _layer(256, 256, 3, 1, gen)

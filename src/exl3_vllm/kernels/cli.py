@@ -84,8 +84,9 @@ def run_compile(archs: list[int], jobs: int = 1, subset: bool = False, use_cache
         for k in kernels:
             dyn = 0
             parts = k["name"].split("_")
-            if k["name"].startswith("exl3_gemm_") and parts[2] in TIERS and defines:
-                dyn = TIERS[parts[2]].smem(bits)
+            tname = parts[2] if len(parts) > 2 and parts[2] in TIERS else parts[2][:-1] if len(parts) > 2 else ""
+            if k["name"].startswith("exl3_gemm_") and tname in TIERS and defines:
+                dyn = TIERS[tname].smem(bits)  # "i8s" is the stream-k twin of "i8"
             spill = k["spill_stores"] + k["spill_loads"]
             flag = ""
             if spill:

@@ -220,7 +220,8 @@ class Module:
         if f is None:
             f = _check(drv.cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction({name})")
             self._funcs[name] = f
-        if dyn_smem > self._smem.get(name, 48 * 1024):
+        # Raised whenever asked for more: static shared memory also counts against the 48 KiB default.
+        if dyn_smem > self._smem.get(name, 0):
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check((drv.cuFuncSetAttribute(f, attr, dyn_smem)[0], None), f"cuFuncSetAttribute({name}, {dyn_smem})")
             self._smem[name] = dyn_smem

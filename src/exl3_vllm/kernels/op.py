@@ -13,7 +13,7 @@ import torch
 
 from . import nvrtc
 from .nvrtc import KernelError
-from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS, gemm_kernel_name, linear_defines
+from .variants import INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, TIERS, gemm_kernel_name, linear_defines
 
 # Above this many rows the dequantize + cuBLAS path is used (EXL3_VLLM_LARGE_M overrides).
 DEFAULT_LARGE_M = 128
@@ -57,10 +57,17 @@ class Plan:
     splits: int = 1
     steps_per_split: int = 0
     chunk: int = 0        # columns per dequant chunk
+    stream: int = 0       # >0: stream-k grid size (blocks sharing column-block x stage units evenly)
+
+
+def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
+    """The mul1 integer tier: few rows, the row's input transform fits in shared memory, no int32 overflow."""
+    return (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit and k <= 65536
+            and os.environ.get("EXL3_VLLM_INT8", "1") != "0")
 
 
 def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | None = None,
-         smem_limit: int = 227 * 1024) -> Plan:
+         smem_limit: int = 227 * 1024, codebook: int = -1) -> Plan:
     """How one call runs: tier and split-k factor, or the dequant path with its chunk width."""
     force = os.environ.get("EXL3_VLLM_TIER", "")
     if force == "dequant" or (not force and m > _large_m()):
@@ -70,8 +77,13 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         if force not in TIERS:
             raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of {sorted(TIERS)} or 'dequant'")
         tier = TIERS[force]
+        if tier.int8 and not (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit):
+            raise KernelError(f"EXL3_VLLM_TIER=i8 needs the mul1 codebook, at most {INT8_MAX_M} rows and "
+                              f"4*k + 1024 <= {smem_limit} (got codebook {codebook}, m={m}, k={k})")
+    elif int8_ok(m, k, codebook, smem_limit):
+        tier = TIERS["i8"]
     else:
-        fits = [t for t in TIERS.values() if t.smem(bits) <= smem_limit]
+        fits = [t for t in TIERS.values() if not t.int8 and t.smem(bits) <= smem_limit]
         tier = next((t for t in fits if m <= t.bm), fits[-1])
     mblocks = -(-m // tier.bm)
     ktiles = k // 16
@@ -85,6 +97,13 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     steps = -(-ktiles // splits)
     steps = -(-steps // tier.ks) * tier.ks
     splits = -(-ktiles // steps)
+    blocks = base * splits
+    fill = blocks / (-(-blocks // slots) * slots)
+    if tier.int8 and fill < 0.9 and not fs and not deterministic() and os.environ.get("EXL3_VLLM_STREAMK", "1") != "0":
+        # A partial last wave (224 column blocks x 2 splits on 264 slots: 85%) idles SMs; stream-k gives every
+        # resident block the same number of (column block, stage) units instead.
+        units = (n_total // 128) * (ktiles // tier.ks)
+        return Plan("gemm", tier.name, splits, steps, stream=max(1, min(slots // mblocks, units)))
     return Plan("gemm", tier.name, splits, steps)
 
 
@@ -93,7 +112,8 @@ class _GemmArgs(ctypes.Structure):
                 ("bias", ctypes.c_uint64), ("out", ctypes.c_uint64), ("ws", ctypes.c_uint64),
                 ("counters", ctypes.c_uint64), ("m", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("n_total", ctypes.c_int32), ("splits", ctypes.c_int32), ("steps_per_split", ctypes.c_int32),
-                ("mode", ctypes.c_int32), ("nshards", ctypes.c_int32), ("shard_end", ctypes.c_int32 * 8)]
+                ("mode", ctypes.c_int32), ("nshards", ctypes.c_int32), ("shard_end", ctypes.c_int32 * 8),
+                ("stream", ctypes.c_int32), ("xmeta", ctypes.c_uint64)]
 
 
 MAX_SHARDS = 8
@@ -152,19 +172,17 @@ def _dev(index: int) -> _Device:
 
 
 def _needs(p: Plan, m: int, k: int, n_total: int, shards: int) -> dict[str, int]:
-    need = {"xh": shards * m * k}
     if p.path == "dequant":
-        need["wscratch"] = k * p.chunk
-        need["zscratch"] = m * p.chunk
-        return need
+        return {"xh": shards * m * k, "wscratch": k * p.chunk, "zscratch": m * p.chunk}
     tier = TIERS[p.tier]
+    need = {"xq": shards * (k // 16) * 256, "xmeta": shards * 32} if tier.int8 else {"xh": shards * m * k}
     need["counters"] = -(-m // tier.bm) * (n_total // 128)
-    if p.splits > 1:
+    if p.splits > 1 or p.stream:
         need["ws_slots" if deterministic() else "ws_atomic"] = (p.splits if deterministic() else 1) * m * n_total
     return need
 
 
-_DTYPES = {"xh": torch.float16, "wscratch": torch.float16, "zscratch": torch.float16,
+_DTYPES = {"xh": torch.float16, "xq": torch.int8, "xmeta": torch.float32, "wscratch": torch.float16, "zscratch": torch.float16,
            "counters": torch.int32, "ws_atomic": torch.float32, "ws_slots": torch.float32}
 _ZERO = {"counters", "ws_atomic"}
 
@@ -185,7 +203,7 @@ def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
     need: dict[str, int] = {}
     ms = sorted(set(list(range(1, min(max_m, _large_m() + 1) + 1)) + [max_m]))
     for m in ms:
-        p = plan(m, k, n_total, bits, d.sms, max(shard_sizes) if shard_sizes else None, d.smem_limit)
+        p = plan(m, k, n_total, bits, d.sms, max(shard_sizes) if shard_sizes else None, d.smem_limit, codebook)
         for name, v in _needs(p, m, k, n_total, shards).items():
             need[name] = max(need.get(name, 0), v)
     with d.lock:
@@ -248,29 +266,38 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None):
         bias = bias.to(torch.float16).contiguous()
     d = _dev(x.device.index)
     S = len(sizes)
-    p = plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit)
+    p = plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook)
     io = d.module(IO_SOURCE, None)
     lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     bf = x.dtype == torch.bfloat16
-    xh = d.buf("xh", S * m * k, torch.float16)
-
-    warps = S * m * (k // 128)
-    nvrtc.launch(io.function("exl3_input_bf16" if bf else "exl3_input_f16"), (-(-warps // 8), 1, 1), (256, 1, 1), 0,
-                 stream, [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
-                          ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])
+    tier = TIERS[p.tier] if p.path == "gemm" else None
+    xmeta = None
+    if tier is not None and tier.int8:
+        xh = d.buf("xq", S * (k // 16) * 256, torch.int8)
+        xmeta = d.buf("xmeta", S * 32, torch.float32)
+        nvrtc.launch(io.function("exl3_input_i8_bf16" if bf else "exl3_input_i8_f16", 4 * k), (INT8_MAX_M, S, 1),
+                     (1024, 1, 1), 4 * k, stream,
+                     [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
+                      ctypes.c_uint64(xh.data_ptr()), ctypes.c_uint64(xmeta.data_ptr()), ctypes.c_int32(m),
+                      ctypes.c_int32(k)])
+    else:
+        xh = d.buf("xh", S * m * k, torch.float16)
+        warps = S * m * (k // 128)
+        nvrtc.launch(io.function("exl3_input_bf16" if bf else "exl3_input_f16"), (-(-warps // 8), 1, 1), (256, 1, 1),
+                     0, stream, [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
+                                 ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])
 
     if p.path == "dequant":
         _dequant_path(d, lin, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, p.chunk)
         return y.reshape(*lead, n_total)
 
-    tier = TIERS[p.tier]
     det = deterministic()
     mblocks = -(-m // tier.bm)
     ncb = n_total // 128
     counters = d.buf("counters", mblocks * ncb, torch.int32, zero=True)
     ws = None
-    if p.splits > 1:
+    if p.splits > 1 or p.stream:
         ws = d.buf("ws_slots", p.splits * m * n_total, torch.float32) if det else \
             d.buf("ws_atomic", m * n_total, torch.float32, zero=True)
     a = _GemmArgs()
@@ -283,9 +310,12 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None):
     for i, s in enumerate(sizes):
         end += s // 128
         a.shard_end[i] = end
+    a.xmeta = _ptr(xmeta)
+    a.stream = p.stream
     smem = tier.smem(bits)
-    f = lin.function(gemm_kernel_name(tier.name, bf), smem)
-    nvrtc.launch(f, (ncb, p.splits, mblocks), (tier.threads, 1, 1), smem, stream, [a])
+    f = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else ""), bf), smem)
+    grid = (p.stream, 1, mblocks) if p.stream else (ncb, p.splits, mblocks)
+    nvrtc.launch(f, grid, (tier.threads, 1, 1), smem, stream, [a])
     if det and p.splits > 1:
         nvrtc.launch(io.function("exl3_reduce_bf16" if bf else "exl3_reduce_f16"), (ncb, -(-m // 8), 1), (256, 1, 1), 0,
                      stream, [ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(p.splits), ctypes.c_int32(m),

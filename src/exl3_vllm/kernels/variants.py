@@ -21,6 +21,7 @@ class Tier:
     kw: int      # warps splitting the k16 steps of a stage
     ks: int      # k16 steps per pipeline stage
     stages: int  # cp.async pipeline depth
+    int8: bool = False  # mul1 only: int8 activations (hi + lo rows) against the product bytes
 
     @property
     def threads(self) -> int:
@@ -28,7 +29,8 @@ class Tier:
 
     def smem(self, bits: float) -> int:
         w32 = 8 * int(bits) + (4 if bits != int(bits) else 0)
-        stage = self.ks * 8 * w32 * 4 + self.bm * (self.ks * 16 + 8) * 2
+        a_stage = self.ks * 256 if self.int8 else self.bm * (self.ks * 16 + 8) * 2
+        stage = self.ks * 8 * w32 * 4 + a_stage
         return max(self.stages * stage, self.bm * 132 * 4)
 
 
@@ -38,7 +40,10 @@ TIERS = {t.name: t for t in (
     Tier("m32", 32, 4, 4, 8, 4),
     Tier("m64", 64, 2, 4, 8, 3),
     Tier("m128", 128, 1, 2, 4, 3),
+    Tier("i8", 8, 4, 4, 8, 4, int8=True),
 )}
+# Rows the int8 tier takes at most (hi and lo parts fill the 16 MMA rows).
+INT8_MAX_M = 8
 
 
 def all_bits() -> tuple:

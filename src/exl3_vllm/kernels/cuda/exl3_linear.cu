@@ -24,6 +24,8 @@ struct GemmArgs
     int splits, steps_per_split, mode;   // mode 0: atomics + last block epilogue, 1: slots reduced by exl3_reduce
     int nshards;
     int shard_end[8];     // exclusive end of each shard in 128-column blocks
+    int stream;           // >0: stream-k over this many blocks (grid.x), each taking an equal run of (column block, stage) units
+    const float* xmeta;   // int8 path: [S, 8, 4] per row (hi scale, lo scale, row sum of the quantized x, 0)
 };
 
 constexpr int RLD = 132;  // padded fp32 row of the 128-column reduction tile, avoids bank conflicts
@@ -54,34 +56,47 @@ __device__ __forceinline__ void epilogue_rows(const float* red, int rows, int ro
     }
 }
 
-template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16>
-__device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
+// mul1 as integers: w = mul1_scale * bytesum(state * mult) + mul1_offset, so x.w is an int8 x u8 MMA over the bytes.
+EXL3_INLINE float mul1_scale() { return h2f(0x1EEE); }
+EXL3_INLINE float mul1_offset() { return 1024.f * h2f(0x1EEE) + h2f(0xC931); }
+
+EXL3_INLINE void mma_16832_s8u8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
+{
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One (column block, k range) segment: pipelined decode + mma, fixed-order k-warp reduction, then the epilogue
+// directly (ncontrib == 1), through split slots (mode 1) or through atomics with the last arriving block finishing.
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8>
+__device__ __forceinline__ void gemm_segment(const GemmArgs& p, char* smem, const int cb, const int split, const int mb,
+                                             const int step0, const int nstages, const int ncontrib)
 {
     constexpr int NWN = 8 / NT;
     constexpr int NWARPS = NWN * KW;
     constexpr int THREADS = 32 * NWARPS;
-    constexpr int MT = BM / 16;
+    constexpr int MT = I8 ? 1 : BM / 16;
     constexpr int W32 = TL::W32;
     constexpr int NW = TL::NW;
     constexpr int B_STEP = 8 * W32;
     constexpr int B_STAGE = KS * B_STEP;
     constexpr int A_LD = KS * 16 + 8;
-    constexpr int A_STAGE = BM * A_LD;
+    // int8 path: per k16 step 16 rows (8 hi, 8 lo) x 16 permuted bytes, in u16 units.
+    constexpr int A_STAGE = I8 ? KS * 128 : BM * A_LD;
     static_assert(KS % KW == 0, "each k-warp takes whole steps of a stage");
+    static_assert(!I8 || (BM == 8 && CB == 2), "the int8 path is mul1 with 8 rows");
 
     __shared__ int s_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
-    const int cb = blockIdx.x, split = blockIdx.y, mb = blockIdx.z;
     const int row0 = mb * BM;
     const int rows = min(BM, p.m - row0);
     int shard = 0;
     #pragma unroll
     for (int i = 0; i < 7; ++i) if (i + 1 < p.nshards && cb >= p.shard_end[i]) shard = i + 1;
     const u16* A = p.xh + ((size_t)shard * p.m + row0) * p.k;
-    const int ktiles = p.k >> 4, ntiles = p.n_total >> 4;
-    const int step0 = split * p.steps_per_split;
-    const int nstages = min(p.steps_per_split, ktiles - step0) / KS;
+    const int ntiles = p.n_total >> 4;
     const size_t b_row = (size_t)ntiles * W32;
     const u32* B = p.trellis + (size_t)step0 * b_row + (size_t)cb * 8 * W32;
 
@@ -99,6 +114,12 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         }
         const int kcol = (step0 + s * KS) * 16;
         const u32 adst = smem_addr(sA + buf * A_STAGE);
+        if constexpr (I8)
+        {
+            const char* xq = (const char*)p.xh + ((size_t)shard * (p.k >> 4) + step0 + s * KS) * 256;
+            for (int c = tid; c < KS * 16; c += THREADS) cp_async16(adst + c * 16, xq + c * 16, 16);
+            return;
+        }
         for (int c = tid; c < BM * KS * 2; c += THREADS)
         {
             const int r = c / (KS * 2), j = c - r * (KS * 2);
@@ -114,6 +135,11 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         for (int j = 0; j < 2 * NT; ++j)
             #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+    int iacc[I8 ? 2 * NT : 1][4];
+    #pragma unroll
+    for (int j = 0; j < (I8 ? 2 * NT : 1); ++j)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) iacc[j][e] = 0;
 
     LaneMap<KA, HALF> lm;
     lm.init(lane);
@@ -139,6 +165,32 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         for (int ii = 0; ii < KS / KW; ++ii)
         {
             const int i = kw + ii * KW;
+            if constexpr (I8)
+            {
+                // Lane's hi and lo words hold k offsets 2j, 2j+1, 8+2j, 9+2j (j = lane % 4); each byte is replicated
+                // over the 4 product bytes of one weight.
+                const u32* aw = (const u32*)(bA + i * 128);
+                const u32 hi = aw[(lane >> 2) * 4 + (lane & 3)], lo = aw[32 + (lane >> 2) * 4 + (lane & 3)];
+                const u32 a0[4] = {prmt(hi, 0u, 0x0000), prmt(lo, 0u, 0x0000), prmt(hi, 0u, 0x1111), prmt(lo, 0u, 0x1111)};
+                const u32 a8[4] = {prmt(hi, 0u, 0x2222), prmt(lo, 0u, 0x2222), prmt(hi, 0u, 0x3333), prmt(lo, 0u, 0x3333)};
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                {
+                    const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
+                    u32 w[NW];
+                    #pragma unroll
+                    for (int q = 0; q < NW; ++q) w[q] = tw[lm.idx[q]];
+                    u32 st[8];
+                    lane_states<KA, HALF>(w, lm.off, st);
+                    #pragma unroll
+                    for (int q = 0; q < 8; ++q) st[q] *= 0x83DCD12Du;
+                    mma_16832_s8u8(iacc[2 * nt], a0, st[0], st[1]);
+                    mma_16832_s8u8(iacc[2 * nt], a8, st[2], st[3]);
+                    mma_16832_s8u8(iacc[2 * nt + 1], a0, st[4], st[5]);
+                    mma_16832_s8u8(iacc[2 * nt + 1], a8, st[6], st[7]);
+                }
+                continue;
+            }
             u32 a[MT][4];
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -164,6 +216,19 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
     }
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (I8)
+    {
+        // Back to floats: hi and lo rows recombine in-lane; the split holding k = 0 adds the offset term once.
+        const float* mt = p.xmeta + ((size_t)shard * 8 + (lane >> 2)) * 4;
+        const float sh = mt[0] * mul1_scale(), sl = mt[1] * mul1_scale();
+        const float off = (step0 == 0 && kw == 0) ? mt[2] * mul1_offset() : 0.f;
+        #pragma unroll
+        for (int j = 0; j < 2 * NT; ++j)
+        {
+            acc[0][j][0] = (float)iacc[j][0] * sh + (float)iacc[j][2] * sl + off;
+            acc[0][j][1] = (float)iacc[j][1] * sh + (float)iacc[j][3] * sl + off;
+        }
+    }
 
     // Fixed-order reduction over the k-warps keeps the result independent of scheduling.
     float* red = (float*)smem;
@@ -177,7 +242,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
                 #pragma unroll
                 for (int j = 0; j < 2 * NT; ++j)
                     #pragma unroll
-                    for (int h = 0; h < 2; ++h)
+                    for (int h = 0; h < (I8 ? 1 : 2); ++h)
                     {
                         const int r = mt * 16 + (lane >> 2) + h * 8;
                         const int c = nw * NT * 16 + j * 8 + 2 * (lane & 3);
@@ -191,7 +256,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
     }
 
     const int ncol0 = cb * 128;
-    if (p.splits == 1)
+    if (ncontrib == 1)
     {
         epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p);
         return;
@@ -214,7 +279,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
     __threadfence();
     __syncthreads();
     int* counter = p.counters + mb * (p.n_total >> 7) + cb;
-    if (tid == 0) s_last = atomicAdd(counter, 1) == p.splits - 1;
+    if (tid == 0) s_last = atomicAdd(counter, 1) == ncontrib - 1;
     __syncthreads();
     if (!s_last) return;
     __threadfence();
@@ -230,6 +295,35 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
     epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p);
 }
 
+// Fixed split-k (grid = column blocks x splits x row blocks) or, as separate kernels, stream-k (grid.x = p.stream
+// blocks, block b owning units [b*U/G, (b+1)*U/G) of U = column blocks x stages).
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8 = false, bool STREAM = false>
+__device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
+{
+    const int mb = blockIdx.z;
+    if constexpr (!STREAM)
+    {
+        const int step0 = blockIdx.y * p.steps_per_split;
+        gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, smem, blockIdx.x, blockIdx.y, mb, step0,
+                                                           min(p.steps_per_split, (p.k >> 4) - step0) / KS, p.splits);
+        return;
+    }
+    const int nst = (p.k >> 4) / KS;
+    const long long G = p.stream, U = (long long)(p.n_total >> 7) * nst;
+    int u0 = (int)(blockIdx.x * U / G);
+    const int u1 = (int)((blockIdx.x + 1) * U / G);
+    while (u0 < u1)
+    {
+        const int cb = u0 / nst, s_lo = u0 - cb * nst;
+        const int nstages = min(nst - s_lo, u1 - u0);
+        const int first = (int)((((long long)cb * nst + 1) * G - 1) / U);
+        const int last = (int)(((long long)(cb + 1) * nst * G - 1) / U);
+        gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, smem, cb, 0, mb, s_lo * KS, nstages, last - first + 1);
+        u0 += nstages;
+        __syncthreads();
+    }
+}
+
 // Tiers: (rows per block, n16 tiles per warp, k-warps, k16 steps per stage, pipeline stages).
 #define EXL3_TIER(NAME, BM, NT, KW, KS, ST) \
     extern "C" __global__ void __launch_bounds__(32 * (8 / NT) * KW) exl3_gemm_##NAME##_f16(const GemmArgs p) \
@@ -238,9 +332,25 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
     { extern __shared__ __align__(16) char smem[]; gemm_body<BM, NT, KW, KS, ST, true>(p, smem); }
 
 EXL3_TIER(m16, 16, 8, 8, 8, 4)
+
 EXL3_TIER(m32, 32, 4, 4, 8, 4)
 EXL3_TIER(m64, 64, 2, 4, 8, 3)
 EXL3_TIER(m128, 128, 1, 2, 4, 3)
+
+#if EXL3_CB == 2
+// Stream-k twins keep two resident blocks (128 registers) where K allows, enough warps to hide the decode latency.
+constexpr int MINB_STREAM = KA <= 6 ? 2 : 1;
+
+// Up to 8 rows of int8 activations (hi and lo parts as the 16 MMA rows) against the mul1 product bytes.
+extern "C" __global__ void __launch_bounds__(256) exl3_gemm_i8_f16(const GemmArgs p)
+{ extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, true>(p, smem); }
+extern "C" __global__ void __launch_bounds__(256) exl3_gemm_i8_bf16(const GemmArgs p)
+{ extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, true>(p, smem); }
+extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_i8s_f16(const GemmArgs p)
+{ extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, true, true>(p, smem); }
+extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_i8s_bf16(const GemmArgs p)
+{ extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, true, true>(p, smem); }
+#endif
 
 // W' = W_hat[:, cols] . H_128 . diag(svh) in fp16 for the large-M path (one k16 row x 128 columns per block).
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_w(const u32* __restrict__ trellis, const u16* __restrict__ svh,
