@@ -105,23 +105,59 @@ struct LaneMap
     }
 };
 
-// 8 states of this lane from its words, normalised so window q starts at bit end(q)-end(0).
+// Where each of the 8 state windows is cut from: a few 32-bit "views" of the stream, each window at byte offset 0/8/16
+// of one view, so a window costs one SHF/LOP/PRMT and a view one funnel shift (or nothing when word-aligned).
+template <int KA, bool HALF>
+struct StatePlan
+{
+    typedef Tile<KA, HALF> T;
+    // Every lane starts at the same bit when K is a multiple of 4: read the raw words, no normalising shifts.
+    static constexpr bool RAW = !HALF && KA % 4 == 0;
+    static constexpr int BASE = RAW ? ((KA - 16) & 31) : 0;
+    struct P { int nv; int vc[8]; int fv[8]; int fd[8]; };
+    __host__ __device__ static constexpr P make()
+    {
+        P p{};
+        for (int q = 0; q < 8; ++q)
+        {
+            const int a = BASE + T::end(q) - T::end(0);
+            int f = -1;
+            for (int v = 0; v < p.nv && f < 0; ++v) { int d = a - p.vc[v]; if (d == 0 || d == 8 || d == 16) f = v; }
+            if (f < 0)
+            {
+                int c = a;
+                for (int dd = 16; dd >= 0; dd -= 8) if (a - dd >= 0 && (a - dd) % 32 == 0) { c = a - dd; break; }
+                f = p.nv; p.vc[p.nv++] = c;
+            }
+            p.fv[q] = f; p.fd[q] = a - p.vc[f];
+        }
+        return p;
+    }
+};
+
+// 8 states of this lane from its words (state q = stream bits [end(q)-16, end(q)) read MSB-first).
 template <int KA, bool HALF>
 EXL3_INLINE void lane_states(const u32 (&w)[Tile<KA, HALF>::NW], u32 off, u32 (&st)[8])
 {
-    typedef Tile<KA, HALF> T;
-    constexpr int NW = T::NW;
+    typedef StatePlan<KA, HALF> SP;
+    constexpr int NW = Tile<KA, HALF>::NW;
+    constexpr typename SP::P P = SP::make();
     u32 x[NW];
     #pragma unroll
-    for (int i = 0; i < NW; ++i) x[i] = funnel_l(i + 1 < NW ? w[i + 1] : 0u, w[i], off);
+    for (int i = 0; i < NW; ++i) x[i] = SP::RAW ? w[i] : funnel_l(i + 1 < NW ? w[i + 1] : 0u, w[i], off);
+    u32 view[P.nv];
+    #pragma unroll
+    for (int iv = 0; iv < P.nv; ++iv)
+    {
+        const int c = P.vc[iv], i = c >> 5, r = c & 31;
+        view[iv] = r == 0 ? x[i] : funnel_l(i + 1 < NW ? x[i + 1 < NW ? i + 1 : i] : 0u, x[i], r);
+    }
     #pragma unroll
     for (int q = 0; q < 8; ++q)
     {
-        constexpr int dummy = 0; (void)dummy;
-        const int a = T::end(q) - T::end(0);
-        const int i = a >> 5, r = a & 31;
-        if (r <= 16) st[q] = (x[i] >> (16 - r)) & 0xffffu;
-        else st[q] = funnel_r(x[i + 1], x[i], 48 - r) & 0xffffu;
+        const int d = P.fd[q];
+        const u32 v = view[P.fv[q]];
+        st[q] = d == 0 ? v >> 16 : d == 16 ? v & 0xffffu : prmt(v, 0u, 0x4421);
     }
 }
 

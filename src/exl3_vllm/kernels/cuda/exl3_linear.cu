@@ -342,9 +342,9 @@ EXL3_TIER(m128, 128, 1, 2, 4, 3)
 constexpr int MINB_STREAM = KA <= 6 ? 2 : 1;
 
 // Up to 8 rows of int8 activations (hi and lo parts as the 16 MMA rows) against the mul1 product bytes.
-extern "C" __global__ void __launch_bounds__(256) exl3_gemm_i8_f16(const GemmArgs p)
+extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_i8_f16(const GemmArgs p)
 { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, true>(p, smem); }
-extern "C" __global__ void __launch_bounds__(256) exl3_gemm_i8_bf16(const GemmArgs p)
+extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_i8_bf16(const GemmArgs p)
 { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, true>(p, smem); }
 extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_i8s_f16(const GemmArgs p)
 { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, true, true>(p, smem); }
