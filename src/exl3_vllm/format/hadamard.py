@@ -21,8 +21,10 @@ def _sylvester() -> torch.Tensor:
     return (1 - 2 * parity).to(torch.float64) / HAD ** 0.5
 
 
+@lru_cache(maxsize=None)
 def hadamard_128(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """Orthonormal, symmetric H with H[a, b] = (-1)^popcount(a & b) / sqrt(128)."""
+    """Orthonormal, symmetric H with H[a, b] = (-1)^popcount(a & b) / sqrt(128); shared, do not modify."""
+    # Cached per (dtype, device): a host-to-device copy on every call would break CUDA-graph capture.
     return _sylvester().to(dtype=dtype, device=device)
 
 

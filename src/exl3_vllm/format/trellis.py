@@ -78,6 +78,18 @@ def _layout(width: int):
     return i0, i1, shift, sym_pos, sym_shift, nwords
 
 
+@lru_cache(maxsize=None)
+def _unpack_tables(width: int, device: torch.device):
+    # Cached on the device: a host-to-device copy per call would break CUDA-graph capture.
+    i0, i1, shift, _, _, _ = _layout(width)
+    return i0.to(device), i1.to(device), shift.to(device)
+
+
+@lru_cache(maxsize=None)
+def _inv_perm(device: torch.device) -> torch.Tensor:
+    return INV_PERM.to(device)
+
+
 def _check_trellis(trellis: torch.Tensor) -> None:
     if trellis.dtype != torch.int16:
         raise Exl3FormatError(f"trellis must be int16, got {trellis.dtype}")
@@ -88,15 +100,14 @@ def _check_trellis(trellis: torch.Tensor) -> None:
 def unpack(trellis: torch.Tensor) -> torch.Tensor:
     """int16 trellis [..., w] -> int32 states [..., 256] in trellis order (0..65535)."""
     _check_trellis(trellis)
-    i0, i1, shift, _, _, _ = _layout(trellis.shape[-1])
-    dev = trellis.device
+    i0, i1, shift = _unpack_tables(trellis.shape[-1], trellis.device)
     u16 = trellis.to(torch.int64) & 0xFFFF
     words = u16[..., 0::2] | (u16[..., 1::2] << 16)
-    w0 = words[..., i0.to(dev)]
-    w1 = words[..., i1.to(dev)]
+    w0 = words[..., i0]
+    w1 = words[..., i1]
     # 48-bit window holding word i0 and the top half of word i1, read MSB-first.
     window = (w0 << 16) | (w1 >> 16)
-    return ((window >> shift.to(dev)) & 0xFFFF).to(torch.int32)
+    return ((window >> shift) & 0xFFFF).to(torch.int32)
 
 
 def pack(states: torch.Tensor, bits: float) -> torch.Tensor:
@@ -119,7 +130,7 @@ def pack(states: torch.Tensor, bits: float) -> torch.Tensor:
 def tiles_to_matrix(tiles: torch.Tensor) -> torch.Tensor:
     """Per-tile values in trellis order [kt, nt, 256] -> matrix [16 kt, 16 nt]."""
     kt, nt, _ = tiles.shape
-    rowmajor = tiles[..., INV_PERM.to(tiles.device)]
+    rowmajor = tiles[..., _inv_perm(tiles.device)]
     return rowmajor.view(kt, nt, TILE, TILE).permute(0, 2, 1, 3).reshape(kt * TILE, nt * TILE)
 
 
