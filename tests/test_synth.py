@@ -16,7 +16,7 @@ from exl3_vllm.format.reconstruct import dense_weight
 from exl3_vllm.synth import PRESETS, plan, synthesize
 from exl3_vllm.synth import cli as synth_cli
 
-TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral")
+TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral")
 # Dims that are not multiples of 128, so padding and trimming are exercised.
 PADDED_QWEN2 = dict(PRESETS["tiny-qwen2"], vocab_size=1000, intermediate_size=320)
 
@@ -30,8 +30,10 @@ def expected_linears(preset: str) -> set[str]:
         if preset == "tiny-mixtral":
             keys |= {f"{p}.block_sparse_moe.experts.{e}.{w}" for e in range(c["num_local_experts"])
                      for w in ("w1", "w2", "w3")}
-        elif preset == "tiny-qwen3-moe":
+        elif preset in ("tiny-qwen3-moe", "tiny-qwen2-moe"):
             keys |= {f"{p}.mlp.experts.{e}.{w}_proj" for e in range(c["num_experts"]) for w in ("gate", "up", "down")}
+            if preset == "tiny-qwen2-moe":
+                keys |= {f"{p}.mlp.shared_expert.{w}_proj" for w in ("gate", "up", "down")}
         else:
             keys |= {f"{p}.mlp.{w}_proj" for w in ("gate", "up", "down")}
     return keys | {"lm_head"}
@@ -45,8 +47,10 @@ def expected_dense(preset: str) -> set[str]:
         keys |= {f"{p}.input_layernorm", f"{p}.post_attention_layernorm"}
         if preset in ("tiny-qwen3", "tiny-qwen3-moe"):
             keys |= {f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"}
-        if preset == "tiny-qwen3-moe":
+        if preset in ("tiny-qwen3-moe", "tiny-qwen2-moe"):
             keys.add(f"{p}.mlp.gate")
+        if preset == "tiny-qwen2-moe":
+            keys.add(f"{p}.mlp.shared_expert_gate")
         if preset == "tiny-mixtral":
             keys.add(f"{p}.block_sparse_moe.gate")
     return keys
@@ -68,8 +72,8 @@ def test_tiny_preset_loads_with_expected_modules(tiny, preset):
     for key, spec in exl3.items():
         assert spec.codebook == "mul1"
         assert spec.bits == (6 if key == "lm_head" else 4)
-        assert ("bias" in spec.tensors) == (preset == "tiny-qwen2" and key.rsplit(".", 1)[-1] in ("q_proj", "k_proj",
-                                                                                                  "v_proj"))
+        assert ("bias" in spec.tensors) == (preset in ("tiny-qwen2", "tiny-qwen2-moe")
+                                            and key.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj"))
     assert ckpt.average_bpw() == 4.0
     qc = ckpt.quantization_config
     assert qc["bits"] == 4.0 and qc["head_bits"] == 6 and qc["version"] == "1.6.5" and qc["codebook"] == "mul1"
@@ -79,8 +83,10 @@ def test_tiny_preset_loads_with_expected_modules(tiny, preset):
     q = exl3["model.layers.0.self_attn.q_proj"]
     assert (q.k, q.n) == (c["hidden_size"], c["num_attention_heads"] * c["head_dim"])
     # The router stays fp16 [experts, hidden].
-    if preset == "tiny-qwen3-moe":
+    if preset in ("tiny-qwen3-moe", "tiny-qwen2-moe"):
         assert ckpt.modules["model.layers.1.mlp.gate"].shape == (c["num_experts"], c["hidden_size"])
+    if preset == "tiny-qwen2-moe":
+        assert ckpt.modules["model.layers.1.mlp.shared_expert_gate"].shape == (1, c["hidden_size"])
 
 
 @pytest.mark.parametrize("preset", TINY)

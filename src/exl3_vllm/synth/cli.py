@@ -29,6 +29,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="shard size limit in MiB (default 2048, or half the model when smaller)")
     p.add_argument("--overwrite", action="store_true", help="allow non-empty output directories "
                                                             "(synth's own files there are replaced)")
+    p.add_argument("--config-only", action="store_true",
+                   help="write only config.json (dtype from --dense-dtype) and the tokenizer of the "
+                        "unquantized network, no weights (for vLLM's --load-format dummy)")
     p.add_argument("--dry-run", action="store_true", help="print the module plan and write nothing")
     p.add_argument("--out", metavar="DIR", help="output directory")
     p.set_defaults(func=main)
@@ -59,7 +62,7 @@ def _print_plan(p) -> None:
 
 def main(args) -> int:
     from .plan import plan
-    from .writer import synthesize
+    from .writer import synthesize, write_config_only
 
     try:
         seed = _int_arg(args.seed, "--seed")
@@ -75,6 +78,9 @@ def main(args) -> int:
             return 0
         if not args.out:
             raise Exl3FormatError("--out DIR is required (or pass --dry-run)")
+        if args.config_only:
+            write_config_only(args.config, args.out, args.dense_dtype, overwrite=args.overwrite, log=print)
+            return 0
         synthesize(args.config, args.out, bits=args.bits, codebook=args.codebook, head_bits=args.head_bits,
                    bits_map=args.bits_map, seed=seed, also_dense=args.also_dense, dense_dtype=args.dense_dtype,
                    shard_bytes=shard, overwrite=args.overwrite, log=print)

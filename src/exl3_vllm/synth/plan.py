@@ -27,8 +27,9 @@ MULTIPLIERS = {"mul1": cb.MUL1_MULT, "mcg": cb.MCG_MULT}
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -233,8 +234,8 @@ def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
     if type(hd) is not int or hd <= 0:
         raise Exl3FormatError(f"config field 'head_dim' must be a positive integer, got {hd!r}")
     p = f"model.layers.{i}"
-    attn_bias = arch == "qwen2" or (arch != "mixtral" and bool(c.get("attention_bias", False)))
-    o_bias = attn_bias and arch != "qwen2"
+    attn_bias = arch in ("qwen2", "qwen2_moe") or (arch != "mixtral" and bool(c.get("attention_bias", False)))
+    o_bias = attn_bias and arch not in ("qwen2", "qwen2_moe")
     out = [("dense", f"{p}.input_layernorm", (hidden,), "norm"),
            ("lin", f"{p}.self_attn.q_proj", hidden, heads * hd, attn_bias, "attn"),
            ("lin", f"{p}.self_attn.k_proj", hidden, kv * hd, attn_bias, "attn"),
@@ -255,7 +256,7 @@ def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
                     ("lin", f"{q}.w2", inter, hidden, False, "expert")]
         return out
     sparse = False
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen2_moe"):
         step = c.get("decoder_sparse_step", 1)
         only = c.get("mlp_only_layers") or []
         experts = _int(c, "num_experts")
@@ -268,6 +269,15 @@ def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
             out += [("lin", f"{q}.gate_proj", hidden, inter, False, "expert"),
                     ("lin", f"{q}.up_proj", hidden, inter, False, "expert"),
                     ("lin", f"{q}.down_proj", inter, hidden, False, "expert")]
+        shared = _int(c, "shared_expert_intermediate_size") if arch == "qwen2_moe" and \
+            c.get("shared_expert_intermediate_size") else 0
+        if shared:
+            # Qwen2-MoE's shared expert is a plain MLP; its sigmoid gate stays unquantized like the router.
+            q = f"{p}.mlp.shared_expert"
+            out += [("lin", f"{q}.gate_proj", hidden, shared, False, "mlp"),
+                    ("lin", f"{q}.up_proj", hidden, shared, False, "mlp"),
+                    ("lin", f"{q}.down_proj", shared, hidden, False, "mlp"),
+                    ("dense", f"{p}.mlp.shared_expert_gate", (1, hidden), "router")]
     else:
         inter = _int(c, "intermediate_size")
         mlp_bias = arch in ("llama", "mistral") and bool(c.get("mlp_bias", False))

@@ -55,6 +55,13 @@ PRESETS: dict[str, dict] = {
         mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.001,
         max_window_layers=2, rope_scaling=None, sliding_window=None, use_sliding_window=False,
     ),
+    "tiny-qwen2-moe": _tiny(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", intermediate_size=512,
+        moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, output_router_logits=False,
+        router_aux_loss_coef=0.001, qkv_bias=True, max_window_layers=2, rope_scaling=None, sliding_window=None,
+        use_sliding_window=False,
+    ),
     "tiny-mixtral": _tiny(
         architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=128,
         num_local_experts=8, num_experts_per_tok=2, output_router_logits=False,

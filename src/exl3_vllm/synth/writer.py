@@ -217,3 +217,25 @@ def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head
             log(f"wrote {dense_dir}: dense {dense_dtype} twin, {len(names)} safetensors file(s), "
                 f"{time.time() - t1:.1f} s")
     return out_dir
+
+
+def write_config_only(config_or_preset, out_dir, dtype: str = "bfloat16", *, overwrite: bool = False,
+                      log: Callable[[str], None] | None = None) -> str:
+    """config.json and tokenizer of the unquantized network synthesize() would write, and no weights.
+
+    For vLLM's --load-format dummy: the same architecture and tokenizer as the EXL3 checkpoint, in dtype.
+    """
+    p = plan(config_or_preset)
+    if dtype not in DENSE_DTYPES:
+        raise Exl3FormatError(f"dtype {dtype!r} is not supported", fix=f"use one of {', '.join(DENSE_DTYPES)}")
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    _prepare_dir(out_dir, overwrite, "output directory")
+    _clean_dir(out_dir)
+    cfg = _base_config(p)
+    cfg["torch_dtype"] = dtype
+    _write_json(os.path.join(out_dir, "config.json"), cfg)
+    max_len = cfg.get("max_position_embeddings")
+    write_tokenizer(out_dir, cfg["vocab_size"], max_len if type(max_len) is int and max_len > 0 else 4096)
+    if log:
+        log(f"wrote {out_dir}: config.json and tokenizer only ({p.arch}, {dtype}, no weights)")
+    return out_dir
