@@ -1,6 +1,7 @@
 """Runs one vLLM CPU engine in its own process and prints its results as JSON.
 
-Usage: python vllm_runner.py MODEL_DIR DTYPE PROMPTS_JSON MAX_TOKENS [TP]
+Usage: python vllm_runner.py MODEL_DIR DTYPE PROMPTS_JSON MAX_TOKENS [TP [LLM_KWARGS_JSON]]
+LLM_KWARGS_JSON adds or overrides LLM(...) arguments, e.g. {"enable_expert_parallel": true}.
 """
 
 import json
@@ -17,9 +18,10 @@ if __name__ == "__main__":
     model, dtype, prompts, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
     tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     # Tensor parallelism needs worker processes; one rank runs in this process.
-    backend = {"distributed_executor_backend": "uni"} if tp == 1 else {"tensor_parallel_size": tp}
-    llm = LLM(model=model, dtype=dtype, max_model_len=256, max_num_seqs=8, enforce_eager=True, seed=0,
-              **backend)
+    kwargs = {"distributed_executor_backend": "uni"} if tp == 1 else {"tensor_parallel_size": tp}
+    kwargs.update(json.loads(sys.argv[6]) if len(sys.argv) > 6 else {})
+    llm = LLM(model=model, dtype=dtype, max_model_len=256, max_num_seqs=8, seed=0,
+              **{"enforce_eager": True, **kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
                             prompt_logprobs=1)
     results = []

@@ -21,3 +21,46 @@ def routed_experts_class():
     except ImportError:  # pragma: no cover - older releases
         return None
     return RoutedExperts
+
+
+# ---- MoE (RoutedExperts) attributes, as 0.32 names them (VLLM.md E); getattr defaults where one may lack them
+def moe_config(layer):
+    """The layer's FusedMoEConfig (FusedMoEMethodBase's constructor argument)."""
+    return layer.moe_config
+
+
+def moe_tp(layer) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel split of every expert's intermediate dimension."""
+    pc = layer.moe_config.moe_parallel_config
+    return int(pc.tp_rank), int(pc.tp_size)
+
+
+def moe_activation(layer) -> str:
+    """The activation name ("silu", ...): an enum in 0.32 (MoEActivation), a string before."""
+    act = getattr(layer, "activation", None) or getattr(layer.moe_config, "activation", "silu")
+    return str(getattr(act, "value", act)).lower()
+
+
+def moe_is_gated(layer) -> bool:
+    return bool(getattr(layer.moe_config, "is_act_and_mul", True))
+
+
+def moe_ckpt_names(layer) -> tuple[str, str | None, str]:
+    """Checkpoint names of (gate, up, down): gate_proj/up_proj/down_proj, or Mixtral's w1/w3/w2 (up is None
+    for a non-gated activation)."""
+    return (getattr(layer, "ckpt_gate_proj_name", "gate_proj"), getattr(layer, "ckpt_up_proj_name", "up_proj"),
+            getattr(layer, "ckpt_down_proj_name", "down_proj"))
+
+
+def moe_num_logical_experts(layer) -> int:
+    """Experts stored in the checkpoint (0.32 adds EPLB's redundant copies on top of these)."""
+    return int(getattr(layer.moe_config, "num_logical_experts", None) or layer.global_num_experts)
+
+
+def moe_expert_map(layer):
+    """Global -> local expert id map (-1: not on this rank), or None without expert parallelism."""
+    return getattr(layer, "expert_map", None)
+
+
+def moe_local_expert(layer, global_id: int) -> int:
+    return int(layer._map_global_expert_id_to_local_expert_id(int(global_id)))

@@ -13,7 +13,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from ..format.checkpoint import Checkpoint, DenseSpec, Exl3Spec
 from ..format.errors import Exl3FormatError
 from . import compat
-from .names import NameResolver
+from .names import NameResolver, canonical
 
 logger = logging.getLogger("exl3_vllm")
 
@@ -32,6 +32,22 @@ def _resolve_dir(model: str, revision: str | None) -> str:
     except Exception as e:  # noqa: BLE001 - any failure means the files are not here
         raise Exl3FormatError(f"cannot find the checkpoint files for {model!r} ({type(e).__name__})",
                               fix="pass a local directory or download the model first") from None
+
+
+def _log_warnings(warnings: list[str]) -> None:
+    """Log each checkpoint warning once: MoE checkpoints repeat one per expert module ("<module>: <what>")."""
+    modules: dict[str, list[str]] = {}
+    for w in warnings:
+        key, sep, what = w.partition(": ")
+        if sep and " " not in key:
+            modules.setdefault(what, []).append(key)
+        else:
+            modules.setdefault(w, [])
+    for what, keys in modules.items():
+        if len(keys) > 1:
+            logger.warning("exl3: %d modules (%s, ...): %s", len(keys), keys[0], what)
+        else:
+            logger.warning("exl3: %s", f"{keys[0]}: {what}" if keys else what)
 
 
 @register_quantization_config("exl3")
@@ -86,8 +102,7 @@ class Exl3Config(QuantizationConfig):
             return
         self.checkpoint = Checkpoint(path)
         self._resolver = None
-        for w in self.checkpoint.warnings:
-            logger.warning("exl3: %s", w)
+        _log_warnings(self.checkpoint.warnings)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.linear import LinearBase
@@ -118,12 +133,11 @@ class Exl3Config(QuantizationConfig):
                 return None
             return compat.unquantized_linear_method()
         if experts_cls is not None and isinstance(layer, experts_cls):
-            head, _, _ = prefix.rpartition(".")
-            if any(k.startswith(prefix + ".") and isinstance(s, Exl3Spec)
-                   for k, s in self.checkpoint.modules.items()):
-                raise Exl3FormatError(f"{prefix!r} holds EXL3 mixture-of-experts weights, which this version "
-                                      "of exl3-vllm does not serve yet", file=self.checkpoint.path,
-                                      fix="use a dense model, or a release with MoE support")
+            # Routed experts: EXL3 if the checkpoint quantized any of them (the method checks all), else stock.
+            if any(isinstance(s, Exl3Spec) for _, s in self.specs_for_experts(prefix)):
+                from .moe_method import Exl3MoEMethod
+
+                return Exl3MoEMethod(self, prefix, layer)
             return None
         return None
 
@@ -135,6 +149,11 @@ class Exl3Config(QuantizationConfig):
         if self._resolver is None or self._resolver[0] != tag:
             self._resolver = (tag, NameResolver(self.checkpoint.modules.keys(), packed))
         return self._resolver[1]
+
+    def specs_for_experts(self, prefix: str) -> list[tuple[str, Exl3Spec | DenseSpec]]:
+        """(key, spec) of every checkpoint module under a RoutedExperts prefix (experts.{e}.<proj>)."""
+        want = canonical(prefix) + "."
+        return [(k, s) for k, s in self.checkpoint.modules.items() if canonical(k).startswith(want)]
 
     def specs_for(self, prefix: str) -> list[tuple[str, Exl3Spec | DenseSpec | None]]:
         """The checkpoint module of each shard of a vLLM layer (None where there is none)."""
