@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from .errors import Exl3FormatError
@@ -11,21 +9,30 @@ from .errors import Exl3FormatError
 HAD = 128
 
 
-@lru_cache(maxsize=None)
+_SYLVESTER: list[torch.Tensor] = []
+# Plain dict caches, not lru_cache: torch.compile traces through them without warnings about wrapped functions.
+_BY_DTYPE_DEVICE: dict[tuple, torch.Tensor] = {}
+
+
 def _sylvester() -> torch.Tensor:
-    a = torch.arange(HAD)
-    bits = a[:, None] & a[None, :]
-    parity = torch.zeros_like(bits)
-    for b in range(7):
-        parity ^= (bits >> b) & 1
-    return (1 - 2 * parity).to(torch.float64) / HAD ** 0.5
+    if not _SYLVESTER:
+        a = torch.arange(HAD)
+        bits = a[:, None] & a[None, :]
+        parity = torch.zeros_like(bits)
+        for b in range(7):
+            parity ^= (bits >> b) & 1
+        _SYLVESTER.append((1 - 2 * parity).to(torch.float64) / HAD ** 0.5)
+    return _SYLVESTER[0]
 
 
-@lru_cache(maxsize=None)
 def hadamard_128(dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """Orthonormal, symmetric H with H[a, b] = (-1)^popcount(a & b) / sqrt(128); shared, do not modify."""
     # Cached per (dtype, device): a host-to-device copy on every call would break CUDA-graph capture.
-    return _sylvester().to(dtype=dtype, device=device)
+    key = (dtype, str(torch.device(device) if device is not None else "cpu"))
+    h = _BY_DTYPE_DEVICE.get(key)
+    if h is None:
+        h = _BY_DTYPE_DEVICE[key] = _sylvester().to(dtype=dtype, device=device)
+    return h
 
 
 def had_128(x: torch.Tensor) -> torch.Tensor:
