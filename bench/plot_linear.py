@@ -1,0 +1,46 @@
+"""Speedup over bf16 cuBLAS vs M, one panel per layer, from a bench_linear.py CSV (runs anywhere)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections import defaultdict
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv")
+    ap.add_argument("--png", required=True)
+    ap.add_argument("--title", default="EXL3 linear vs bf16 cuBLAS")
+    args = ap.parse_args()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = defaultdict(dict)  # (layer, label) -> {M: speedup}
+    for r in csv.DictReader(open(args.csv)):
+        label = f"K={r['K']} {r['cb']}" + ("" if r["path"] == "auto" else f" ({r['path']})")
+        series[(r["layer"], label)][int(r["M"])] = float(r["speedup"])
+    layers = sorted({k[0] for k in series}, key=lambda s: [int(v) for v in s.split("x")])
+    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 3.8), squeeze=False, sharey=True)
+    for ax, layer in zip(axes[0], layers):
+        for (ly, label), pts in sorted(series.items()):
+            if ly != layer or len(pts) < 2:
+                continue
+            ms = sorted(pts)
+            ax.plot(ms, [pts[m] for m in ms], marker="o", ms=3, label=label,
+                    linestyle="-" if "(" not in label else ":")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(layer)
+        ax.set_xlabel("M (rows)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("bf16 time / EXL3 time")
+    fig.suptitle(args.title)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
