@@ -1,6 +1,18 @@
 // Input transform (x * suh -> Hadamard-128 -> fp16) and the split-k slot reduction + output transform.
 #include "exl3_common.cuh"
 
+// The 4 values of row r, columns col..col+3 of shard s after x * suh and the warp's Hadamard-128.
+template <bool IN_BF16>
+EXL3_INLINE void x_suh_had(const u16* __restrict__ x, int ldx, const u16* __restrict__ suh, int k, int r, int s, int col,
+                           int lane, float (&v)[4])
+{
+    const uint2 xv = *(const uint2*)(x + (size_t)r * ldx + col);
+    const uint2 sv = *(const uint2*)(suh + (size_t)s * k + col);
+    v[0] = ld2f<IN_BF16>(xv.x & 0xffff) * h2f(sv.x & 0xffff); v[1] = ld2f<IN_BF16>(xv.x >> 16) * h2f(sv.x >> 16);
+    v[2] = ld2f<IN_BF16>(xv.y & 0xffff) * h2f(sv.y & 0xffff); v[3] = ld2f<IN_BF16>(xv.y >> 16) * h2f(sv.y >> 16);
+    had128_warp(v, lane);
+}
+
 // One warp per (shard, row, 128-column chunk): xh[s, r, :] = fp16(had128(x[r, :] * suh[s, :])).
 template <bool IN_BF16>
 __device__ __forceinline__ void input_body(const u16* __restrict__ x, int ldx, const u16* __restrict__ suh,
@@ -15,11 +27,8 @@ __device__ __forceinline__ void input_body(const u16* __restrict__ x, int ldx, c
     const long long sr = gw / chunks;
     const int r = (int)(sr % m), s = (int)(sr / m);
     const int col = c * 128 + lane * 4;
-    const uint2 xv = *(const uint2*)(x + (size_t)r * ldx + col);
-    const uint2 sv = *(const uint2*)(suh + (size_t)s * k + col);
-    float v[4] = {ld2f<IN_BF16>(xv.x & 0xffff) * h2f(sv.x & 0xffff), ld2f<IN_BF16>(xv.x >> 16) * h2f(sv.x >> 16),
-                  ld2f<IN_BF16>(xv.y & 0xffff) * h2f(sv.y & 0xffff), ld2f<IN_BF16>(xv.y >> 16) * h2f(sv.y >> 16)};
-    had128_warp(v, lane);
+    float v[4];
+    x_suh_had<IN_BF16>(x, ldx, suh, k, r, s, col, lane, v);
     uint2 o;
     o.x = f2h(v[0]) | ((u32)f2h(v[1]) << 16);
     o.y = f2h(v[2]) | ((u32)f2h(v[3]) << 16);
@@ -62,11 +71,8 @@ __device__ __forceinline__ void input_i8_body(const u16* __restrict__ x, int ldx
         for (int c = warp; c < (k >> 7); c += nw)
         {
             const int col = c * 128 + lane * 4;
-            const uint2 xv = *(const uint2*)(x + (size_t)r * ldx + col);
-            const uint2 sv = *(const uint2*)(suh + (size_t)s * k + col);
-            float v[4] = {ld2f<IN_BF16>(xv.x & 0xffff) * h2f(sv.x & 0xffff), ld2f<IN_BF16>(xv.x >> 16) * h2f(sv.x >> 16),
-                          ld2f<IN_BF16>(xv.y & 0xffff) * h2f(sv.y & 0xffff), ld2f<IN_BF16>(xv.y >> 16) * h2f(sv.y >> 16)};
-            had128_warp(v, lane);
+            float v[4];
+            x_suh_had<IN_BF16>(x, ldx, suh, k, r, s, col, lane, v);
             *(float4*)(xs + col) = make_float4(v[0], v[1], v[2], v[3]);
             amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
         }
