@@ -31,13 +31,15 @@ def load(dirs: list[str]) -> tuple[dict, dict]:
         for kind in KINDS:
             p = os.path.join(d, f"{kind}_rows.jsonl")
             if os.path.exists(p):
-                rows[kind] = {}
                 for line in open(p):
                     if line.strip():
                         r = json.loads(line)
-                        rows[kind][(r["input_len"], r["concurrency"])] = r
+                        key = (r["input_len"], r["concurrency"])
+                        # Rows of one kind may come from several calls: a measured row beats a skipped one.
+                        if not (r.get("skipped") and key in rows[kind] and not rows[kind][key].get("skipped")):
+                            rows[kind][key] = r
             m = os.path.join(d, f"{kind}_meta.json")
-            if os.path.exists(m):
+            if os.path.exists(m) and kind not in meta:
                 meta[kind] = json.load(open(m))
     return rows, meta
 
