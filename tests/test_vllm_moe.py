@@ -5,24 +5,19 @@ expert parallelism) are compared with HF transformers on the dense twin (--also-
 holds each expert's reconstructed weight.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engine import results, run_engine  # noqa: E402
 from exl3_vllm.format import codebook as cb  # noqa: E402
 from exl3_vllm.format.checkpoint import Checkpoint, signs_to_half  # noqa: E402
 from exl3_vllm.format.errors import Exl3FormatError  # noqa: E402
 from exl3_vllm.format.reconstruct import dense_weight, w_hat  # noqa: E402
 from exl3_vllm.synth import load_config, synthesize  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w5 w600 w7 w8 w9 w10 w11", "w999 w3"]
 MAX_TOKENS = 16
 QWEN_PREFIX = "model.layers.{}.mlp.experts"
@@ -53,52 +48,34 @@ QWEN2_CFG = dict(load_config("tiny-qwen2-moe"), num_key_value_heads=4)
 QWEN2_BITS = {"*.mlp.shared_expert.*": 5, "*.mlp.experts.*": {"bits": 3, "codebook": "mcg"}}
 
 
-def env(tp=1):
-    e = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
-    if tp == 1:
-        e["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    else:
-        e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
-    return e
-
-
 def run_vllm(model, tp=1, extra=None):
     """Results and the engine's log (EXL3_VLLM_DEBUG_NAMES on: each rank logs its experts)."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_runner.py"), model, "float32",
-                           json.dumps(PROMPTS), str(MAX_TOKENS), str(tp), json.dumps(extra or {})],
-                          capture_output=True, text=True, timeout=600, env=dict(env(tp), EXL3_VLLM_DEBUG_NAMES="1"))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):]), proc.stdout + proc.stderr
+    proc = run_engine(model, "float32", PROMPTS, MAX_TOKENS, tp, extra, env={"EXL3_VLLM_DEBUG_NAMES": "1"})
+    return results(proc), proc.stdout + proc.stderr
+
+
+def _pair(tmp_path_factory, name, cfg, bits_map, seed):
+    """A synthetic EXL3 checkpoint and its fp32 dense twin."""
+    root = tmp_path_factory.mktemp(name)
+    q, d = str(root / "exl3"), str(root / "dense")
+    synthesize(cfg, q, bits=4, head_bits=6, bits_map=bits_map, seed=seed, also_dense=d, dense_dtype="float32")
+    return q, d
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3moe")
-    q, d = str(root / "exl3"), str(root / "dense")
-    synthesize(QWEN_CFG, q, bits=4, head_bits=6, bits_map=QWEN_BITS, seed=1, also_dense=d, dense_dtype="float32")
-    return q, d
+    return _pair(tmp_path_factory, "qwen3moe", QWEN_CFG, QWEN_BITS, 1)
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mixtral")
-    q, d = str(root / "exl3"), str(root / "dense")
-    synthesize(MIXTRAL_CFG, q, bits=4, head_bits=6, bits_map=MIXTRAL_BITS, seed=2, also_dense=d,
-               dense_dtype="float32")
-    return q, d
+    return _pair(tmp_path_factory, "mixtral", MIXTRAL_CFG, MIXTRAL_BITS, 2)
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen2moe")
-    q, d = str(root / "exl3"), str(root / "dense")
-    synthesize(QWEN2_CFG, q, bits=4, head_bits=6, bits_map=QWEN2_BITS, seed=4, also_dense=d, dense_dtype="float32")
-    return q, d
+    return _pair(tmp_path_factory, "qwen2moe", QWEN2_CFG, QWEN2_BITS, 4)
 
-
-# ---- unit level: the reference MoE forward and the expert loaders, no engine ---------------------
 
 def _route(t, n_experts, top_k, seed):
     g = torch.Generator().manual_seed(seed)

@@ -182,8 +182,8 @@ def _needs(p: Plan, m: int, k: int, n_total: int, shards: int) -> dict[str, int]
     return need
 
 
-_DTYPES = {"xh": torch.float16, "xq": torch.int8, "xmeta": torch.float32, "wscratch": torch.float16, "zscratch": torch.float16,
-           "counters": torch.int32, "ws_atomic": torch.float32, "ws_slots": torch.float32}
+_DTYPES = {"xh": torch.float16, "xq": torch.int8, "xmeta": torch.float32, "wscratch": torch.float16,
+           "zscratch": torch.float16, "counters": torch.int32, "ws_atomic": torch.float32, "ws_slots": torch.float32}
 _ZERO = {"counters", "ws_atomic"}
 
 

@@ -1,0 +1,33 @@
+"""Runs tests/vllm_runner.py (one vLLM CPU engine) in a subprocess, for the end-to-end tests."""
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def engine_env(tp: int = 1) -> dict:
+    """Offline, 1 GiB of KV cache; one rank runs in-process, more need worker processes bound to the cores."""
+    e = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    if tp == 1:
+        e["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        e["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    return e
+
+
+def run_engine(model, dtype, prompts, max_tokens, tp=1, extra=None, env=None, timeout=600):
+    """The finished subprocess; extra adds LLM(...) arguments, env adds environment variables."""
+    args = [sys.executable, os.path.join(HERE, "vllm_runner.py"), model, dtype, json.dumps(prompts), str(max_tokens),
+            str(tp)] + ([json.dumps(extra)] if extra else [])
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=dict(engine_env(tp), **(env or {})))
+
+
+def results(proc):
+    """The runner's RESULT line, or a failure showing the engine's output."""
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"vLLM failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
