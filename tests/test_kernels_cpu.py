@@ -59,7 +59,7 @@ ptxas info    : Used 126 registers, used 1 barriers, 16 bytes smem
 
 def test_variant_list():
     mods = all_modules()
-    assert len(mods) == 1 + 8 * 3 + 3
+    assert len(mods) == 2 + 8 * 3 + 3  # io, moe, then one linear module per (K, codebook)
     for t in TIERS.values():
         assert t.smem(8) <= 227 * 1024
         assert t.threads % 32 == 0 and t.ks % t.kw == 0
@@ -113,3 +113,52 @@ def test_cpu_op_rejects_bad_shapes():
     trellis, suh, svh = _layer(256, 128, 4)
     with pytest.raises(Exception, match="features|k="):
         torch.ops.exl3.linear(torch.randn(2, 128).half(), trellis, suh[0], svh, None, [128], 2)
+
+
+# ---- grouped experts: the plan and the op's CPU-side contract (the kernels themselves: tests/test_moe_gpu.py)
+from exl3_vllm.kernels import moe as kmoe  # noqa: E402
+
+
+def _moe_plan(tokens, bits=(4, 4), cbs=(2, 2), **kw):
+    return kmoe.moe_plan(tokens, 8, 128, 2048, 1536, 768, 2048, bits, cbs, 132, **kw)
+
+
+def test_moe_plan_tiers_and_row_bound():
+    assert _moe_plan(1).tier == "i8" and _moe_plan(128).tier == "i8"  # <= 8 rows per active expert
+    assert _moe_plan(1, cbs=(2, 1)).tier == "m16"                     # int8 needs mul1 in both projections
+    assert _moe_plan(256).tier == "m16" and _moe_plan(512).tier == "m32" and _moe_plan(8192).tier == "m128"
+    for t in (1, 3, 17, 100, 1000, 8192):
+        p = _moe_plan(t)
+        # Every expert's rows fit: ceil(count_e / bm) summed over experts <= pairs / bm + active experts.
+        assert p.max_blocks == -(-t * 8 // p.bm) + min(128, t * 8)
+        assert p.splits13 * p.steps13 >= 2048 // 16 and p.splits2 * p.steps2 >= 768 // 16
+
+
+def test_moe_plan_deterministic_and_forced(monkeypatch):
+    assert _moe_plan(1).splits13 > 1
+    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
+    p = _moe_plan(1)
+    assert p.splits13 == 1 and p.splits2 == 1  # no atomics: each block owns its outputs
+    monkeypatch.setenv("EXL3_VLLM_TIER", "m64")
+    assert _moe_plan(1).tier == "m64"
+    monkeypatch.setenv("EXL3_VLLM_TIER", "i8")
+    with pytest.raises(kop.KernelError, match="mul1"):
+        _moe_plan(1, cbs=(2, 0))
+
+
+def test_moe_op_fake_and_cpu_error():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    E, k, inter = 4, 256, 128
+    weights = lambda: ([torch.empty(E, k // 16, 2 * inter // 16, 64, dtype=torch.int16)], [2],
+            torch.zeros(E, 2, dtype=torch.int32), torch.empty(E, 2, k, dtype=torch.float16),
+            torch.empty(E, 2 * inter, dtype=torch.float16),
+            [torch.empty(E, inter // 16, k // 16, 64, dtype=torch.int16)], [2],
+            torch.zeros(E, 2, dtype=torch.int32), torch.empty(E, inter, dtype=torch.float16),
+            torch.empty(E, k, dtype=torch.float16), -1, False)  # noqa: E731
+    with FakeTensorMode():
+        x = torch.empty(3, 200, dtype=torch.bfloat16)
+        y = torch.ops.exl3.moe_experts(x, torch.empty(3, 2), torch.empty(3, 2, dtype=torch.int64), *weights())
+        assert y.shape == x.shape and y.dtype == x.dtype
+    with pytest.raises(kop.KernelError, match="CUDA"):
+        kmoe.moe_cuda(torch.randn(3, 200).bfloat16(), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int64),
+                       *weights())

@@ -377,3 +377,32 @@ def test_engine_qwen2_moe_shared_expert_and_expert_parallel_2_match_dense_oracle
         assert f"mlp.experts -> 4 of 8 experts on this rank ({ids})" in log
     assert "mlp.shared_expert.gate_up_proj -> gate_proj=model.layers.0.mlp.shared_expert.gate_proj:Exl3Spec" in log
     _check_against_dense_oracle(results, d)
+
+
+def test_expert_tensors_loader_keeps_3d_tensors_whole():
+    """vLLM 0.25 unbinds every 3-D expert tensor as stacked experts; ours hands each trellis whole to its expert."""
+    from types import SimpleNamespace
+
+    from exl3_vllm.plugin.moe_method import Exl3MoEMethod
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    calls = []
+
+    def param(name):
+        return SimpleNamespace(weight_loader=lambda **kw: calls.append((name, kw)) or True)
+
+    mapping = RoutedExperts.build_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts=12,
+                                                        num_redundant_experts=0, routed_experts_prefix="")
+    layer = SimpleNamespace(layer_name="model.layers.3.mlp.experts", get_expert_mapping=lambda: mapping,
+                            w13_trellis=param("w13_trellis"), w2_trellis=param("w2_trellis"), w2_mul1=param("w2_mul1"))
+    trellis = torch.zeros(16, 32, 64, dtype=torch.int16)
+    weights = [("11.down_proj.trellis", trellis), ("1.up_proj.trellis", trellis), ("1.down_proj.mul1", torch.tensor(1)),
+               ("0.gate_proj.weight_not_ours", trellis)]
+    method = SimpleNamespace(path="/ckpt")
+    load = Exl3MoEMethod._expert_tensors_loader(method, layer)
+    with pytest.raises(Exl3FormatError, match="experts.0.gate_proj.weight_not_ours"):
+        list(load(weights))
+    assert [n for n, _ in calls] == ["w2_trellis", "w13_trellis", "w2_mul1"]
+    got = [(n, kw["expert_id"], kw["shard_id"], kw["loaded_weight"].shape) for n, kw in calls]
+    assert got == [("w2_trellis", 11, "w2", trellis.shape), ("w13_trellis", 1, "w3", trellis.shape),
+                   ("w2_mul1", 1, "w2", torch.Size([]))]

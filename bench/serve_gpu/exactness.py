@@ -38,6 +38,20 @@ BITS_MAP = {
     "model.layers.3.mlp.down_proj": {"bits": 5, "codebook": "mcg"},
     "model.layers.*": 4,
 }
+# --moe: a small Qwen3-MoE (64 experts, top-8) whose experts mix K and codebook within and across layers.
+MOE_CONFIG = dict(CONFIG, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", intermediate_size=1024,
+                  moe_intermediate_size=256, num_experts=64, num_experts_per_tok=8, decoder_sparse_step=1,
+                  mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False, router_aux_loss_coef=0.001)
+MOE_BITS_MAP = {
+    "model.layers.0.self_attn.[qkv]_proj": 3, "model.layers.0.self_attn.o_proj": 2.5,
+    "model.layers.1.mlp.experts.*.[gu]*_proj": {"bits": 3, "codebook": "mcg"},
+    "model.layers.1.mlp.experts.*.down_proj": {"bits": 5, "codebook": "mcg"},
+    "model.layers.2.mlp.experts.[0-2]?.*": 2.5,
+    "model.layers.2.mlp.experts.*": 6,
+    "model.layers.3.mlp.experts.*.[gu]*_proj": {"bits": 3, "codebook": "3inst"},
+    "model.layers.3.mlp.experts.*.down_proj": 2,
+    "model.layers.*": 4,
+}
 HEAD_BITS = 6
 MAX_MODEL_LEN = 512
 NUM_PROMPTS = 32
@@ -162,6 +176,7 @@ def main() -> int:
     ap.add_argument("--child", metavar="RESULT_JSON")
     ap.add_argument("--recompare", metavar="RAW_JSON")
     ap.add_argument("--summary", metavar="JSON", help="with --recompare: also write the summary there")
+    ap.add_argument("--moe", action="store_true", help="a small mixed-bits Qwen3-MoE instead of the dense Qwen3")
     a = ap.parse_args()
     if a.child:
         res = engine(a.model, a.tokens, a.eager)
@@ -182,9 +197,10 @@ def main() -> int:
     t_start = time.time()
     from exl3_vllm.synth import synthesize
 
-    synthesize(CONFIG, a.model, bits=4, head_bits=HEAD_BITS, bits_map=BITS_MAP, seed=11, overwrite=True,
+    config, bits_map = (MOE_CONFIG, MOE_BITS_MAP) if a.moe else (CONFIG, BITS_MAP)
+    synthesize(config, a.model, bits=4, head_bits=HEAD_BITS, bits_map=bits_map, seed=11, overwrite=True,
                log=print)
-    raw = {"tokens": a.tokens, "eager": a.eager, "config": CONFIG, "bits_map": BITS_MAP, "env": env_facts(),
+    raw = {"tokens": a.tokens, "eager": a.eager, "config": config, "bits_map": bits_map, "env": env_facts(),
            "results": {},
            "errors": {}}
     raw_path = os.path.join(a.out, "exact-raw.json")

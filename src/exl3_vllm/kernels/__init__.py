@@ -1,6 +1,8 @@
-"""EXL3 GPU kernels (NVRTC-compiled CUDA C++) and the torch.ops.exl3.linear op."""
+"""EXL3 GPU kernels (NVRTC-compiled CUDA C++): torch.ops.exl3.linear and torch.ops.exl3.moe_experts."""
 
 from .nvrtc import KernelError
 from .op import backend, deterministic, linear, linear_cuda, plan, prepare
+from .moe import moe_cuda, moe_experts, prepare_moe
 
-__all__ = ["KernelError", "backend", "deterministic", "linear", "linear_cuda", "plan", "prepare"]
+__all__ = ["KernelError", "backend", "deterministic", "linear", "linear_cuda", "moe_cuda", "moe_experts", "plan",
+           "prepare", "prepare_moe"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-_HEADERS = ("exl3_common.cuh",)
+_HEADERS = ("exl3_common.cuh", "exl3_input.cuh")
 # Fixed options; --use_fast_math is avoided so fp32 arithmetic stays IEEE round-to-nearest.
 _BASE_OPTS = ("-std=c++17", "-Xptxas=-v", "--fmad=true")
 

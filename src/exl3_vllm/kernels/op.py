@@ -113,7 +113,9 @@ class _GemmArgs(ctypes.Structure):
                 ("counters", ctypes.c_uint64), ("m", ctypes.c_int32), ("k", ctypes.c_int32),
                 ("n_total", ctypes.c_int32), ("splits", ctypes.c_int32), ("steps_per_split", ctypes.c_int32),
                 ("mode", ctypes.c_int32), ("nshards", ctypes.c_int32), ("shard_end", ctypes.c_int32 * 8),
-                ("stream", ctypes.c_int32), ("xmeta", ctypes.c_uint64)]
+                ("stream", ctypes.c_int32), ("xmeta", ctypes.c_uint64), ("block_expert", ctypes.c_uint64),
+                ("expert_where", ctypes.c_uint64), ("expert_words", ctypes.c_int64), ("group", ctypes.c_int32),
+                ("mblocks", ctypes.c_int32)]
 
 
 MAX_SHARDS = 8
@@ -312,6 +314,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None):
         a.shard_end[i] = end
     a.xmeta = _ptr(xmeta)
     a.stream = p.stream
+    a.mblocks = 1
     smem = tier.smem(bits)
     f = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else ""), bf), smem)
     grid = (p.stream, 1, mblocks) if p.stream else (ncb, p.splits, mblocks)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 IO_SOURCE = "exl3_io.cu"
 LINEAR_SOURCE = "exl3_linear.cu"
+MOE_SOURCE = "exl3_moe.cu"
 
 INTEGER_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 HALF_BITS = (1.5, 2.5, 3.5)
@@ -65,7 +66,7 @@ def linear_defines(bits: float, codebook: int) -> dict:
 
 def all_modules() -> list[tuple[str, dict]]:
     """Every (source, defines) pair the package can load."""
-    mods = [(IO_SOURCE, {})]
+    mods = [(IO_SOURCE, {}), (MOE_SOURCE, {})]
     for bits in all_bits():
         for cb in CODEBOOKS:
             if valid(bits, cb):

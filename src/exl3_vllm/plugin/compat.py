@@ -64,3 +64,8 @@ def moe_expert_map(layer):
 
 def moe_local_expert(layer, global_id: int) -> int:
     return int(layer._map_global_expert_id_to_local_expert_id(int(global_id)))
+
+
+def moe_top_k(layer) -> int:
+    """Experts each token is routed to."""
+    return int(getattr(layer.moe_config, "experts_per_token", None) or getattr(layer, "top_k"))

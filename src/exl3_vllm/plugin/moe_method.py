@@ -17,7 +17,7 @@ from . import compat
 from .config import debug_names
 from .linear_method import _tp_hint
 from .moe_op import ExpertStack, exl3_moe
-from .op import prepare_layer
+from .op import prepare_experts
 
 # vLLM's shard ids per parameter stem: w1 = gate and w3 = up fill the two halves of w13, w2 = down.
 _SHARDS = {"w13": ("w1", "w3"), "w2": ("w2",)}
@@ -214,6 +214,33 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 # Our loader replaces vLLM's, which silently skips names without "weight" (e.g. *_trellis).
                 set_weight_attrs(p, {"weight_loader": self._loader(layer, name)})
             layer.register_parameter(name, p)
+        # vLLM 0.25 unbinds every 3-D expert tensor as if it stacked experts; a trellis is one expert's 3-D tensor.
+        layer.load_weights = self._expert_tensors_loader(layer)
+
+    def _expert_tensors_loader(self, layer):
+        """RoutedExperts.load_weights for per-expert tensors: each goes whole to its expert's parameter loader."""
+
+        def load_weights(weights):
+            table = {w: (p, e, s) for p, w, e, s in layer.get_expert_mapping()}
+            path = self.path
+            for name, w in weights:
+                qual = f"{layer.layer_name}.{name}"
+                expert, _, rest = qual.rpartition("experts.")[2].partition(".")
+                key = f"experts.{expert}.{rest.partition('.')[0]}."
+                if key not in table:
+                    continue  # not an expert tensor, as vLLM's own loader skips it
+                prefix, expert_id, shard_id = table[key]
+                full = qual.replace(key, prefix)
+                pname = full.removeprefix(f"{layer.layer_name}.")
+                param = getattr(layer, pname, None)
+                if param is None:
+                    raise Exl3FormatError(f"{qual} is an expert tensor of a kind EXL3 experts do not have "
+                                          f"(no parameter {pname})", file=path, tensor=qual,
+                                          fix="the checkpoint is not a plain EXL3 conversion of this model")
+                if param.weight_loader(param=param, loaded_weight=w, weight_name=full, shard_id=shard_id,
+                                       expert_id=expert_id, return_success=True):
+                    yield pname
+        return load_weights
 
     def _loader(self, layer, name: str):
         stem, _, role = name.partition("_")
@@ -287,7 +314,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         for stem, sizes in (("w13", [n_pp, n_pp]), ("w2", [hk])):
             trellis = [getattr(layer, _trellis_name(stem, g)).data for g in range(len(plan["groups"][stem]))]
             codes = [cb.CODEBOOK_IDS[code] for _, code in plan["groups"][stem]]
-            decoded = None
+            decoded = where_dev = None
             if trellis[0].device.type == "cpu":
                 # The CPU path keeps each expert's exact fp16 decode; one expert at a time bounds the scratch.
                 t0 = trellis[0]
@@ -296,12 +323,15 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 for slot, (g, i) in enumerate(plan["where"][stem]):
                     decoded[slot] = w_hat(trellis[g][i], codes[g])
             else:
-                for t, code in zip(trellis, codes):
-                    prepare_layer(t[0], sizes, code)
+                where_dev = torch.tensor(plan["where"][stem], dtype=torch.int32, device=trellis[0].device)
             setattr(layer, f"exl3_{stem}", ExpertStack(trellis, codes, plan["where"][stem],
                                                        getattr(layer, f"{stem}_suh").data,
-                                                       getattr(layer, f"{stem}_svh").data, sizes, decoded))
+                                                       getattr(layer, f"{stem}_svh").data, sizes, decoded, where_dev))
         layer.exl3_moe_inter_valid = plan["inter_valid"]
+        w13, w2 = layer.exl3_w13, layer.exl3_w2
+        if w13.where_dev is not None:
+            prepare_experts(w13.trellis, w13.codebooks, w2.trellis, w2.codebooks, len(plan["local"]),
+                            compat.moe_top_k(layer))
 
     def get_fused_moe_quant_config(self, layer):
         return None

@@ -8,6 +8,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from .op import exl3_linear
 
 
@@ -25,6 +26,7 @@ class ExpertStack:
     svh: torch.Tensor              # fp16 [E, n]
     shard_sizes: list[int]         # [n/2, n/2] (w13) or [n] (w2)
     decoded: torch.Tensor | None   # fp16 [E, k, n]: the exact decode the CPU path keeps, else None
+    where_dev: torch.Tensor | None = None  # int32 [E, 2] on the GPU: `where` for the grouped kernels
 
     @property
     def k(self) -> int:
@@ -57,9 +59,15 @@ def exl3_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     topk_ids are local expert indices (negative: an expert on another rank, which contributes nothing).
     inter_valid: intermediate columns of this rank that are real, not the checkpoint's padding to 128.
     Experts run in a fixed order and the combine is fp32, so the result does not depend on scheduling.
-    dense=True runs every expert on every row with zero weights for the unrouted ones (no data-dependent
-    shapes); the default picks it only where GPU code is traced or captured.
+    On CUDA this is the grouped-kernel op; with EXL3_VLLM_BACKEND=reference, dense=True runs every expert on every
+    row with zero weights for the unrouted ones (no data-dependent shapes), the default where GPU code is traced or
+    captured.
     """
+    if x.is_cuda and w13.where_dev is not None and kernels.backend() != "reference":
+        # Our grouped kernels: graph-safe, so the same call serves eager, torch.compile and CUDA graphs.
+        return torch.ops.exl3.moe_experts(x, topk_weights, topk_ids, w13.trellis, w13.codebooks, w13.where_dev,
+                                          w13.suh, w13.svh, w2.trellis, w2.codebooks, w2.where_dev, w2.suh, w2.svh,
+                                          -1 if inter_valid is None else inter_valid, weights_on_input)
     if dense is None and torch.compiler.is_compiling() and x.device.type == "cpu":
         # vLLM's CPU engine traces apply(): an opaque op keeps the routed row gather and the graph small.
         return torch.ops.exl3.moe(x, topk_weights, topk_ids, *w13.args(), *w2.args(),

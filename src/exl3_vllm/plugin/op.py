@@ -36,3 +36,12 @@ def prepare_layer(trellis: torch.Tensor, shard_sizes: list[int], codebook: int) 
         return
     kernels.prepare(trellis.shape[0] * 16, trellis.shape[1] * 16, kernels.op.bits_of(trellis), codebook,
                     max_batched_tokens(), trellis.device, shard_sizes)
+
+
+def prepare_experts(w13_trellis: list[torch.Tensor], w13_codebooks: list[int], w2_trellis: list[torch.Tensor],
+                    w2_codebooks: list[int], n_experts: int, topk: int) -> None:
+    """The grouped-experts counterpart of prepare_layer."""
+    if w13_trellis[0].device.type != "cuda" or kernels.backend() == "reference":
+        return
+    kernels.prepare_moe(w13_trellis, w13_codebooks, w2_trellis, w2_codebooks, n_experts, topk,
+                        max_batched_tokens(), w13_trellis[0].device)

@@ -25,17 +25,25 @@ struct GemmArgs
     int nshards;
     int shard_end[8];     // exclusive end of each shard in 128-column blocks
     int stream;           // >0: stream-k over this many blocks (grid.x), each taking an equal run of (column block, stage) units
-    const float* xmeta;   // int8 path: [S, 8, 4] per row (hi scale, lo scale, row sum of the quantized x, 0)
+    const float* xmeta;   // int8 path: [S, mblocks, 8, 4] per row (hi scale, lo scale, row sum of the quantized x, 0)
+    // Grouped experts (null for a dense layer): row block mb runs expert block_expert[mb] (-1: unused) when that
+    // expert's (group, index) in expert_where is in this launch's group; its trellis is index * expert_words further.
+    const int* block_expert;
+    const int* expert_where;
+    long long expert_words;
+    int group;
+    int mblocks;          // row blocks in xh / xq (1 for a dense layer)
 };
 
 constexpr int RLD = 132;  // padded fp32 row of the 128-column reduction tile, avoids bank conflicts
 
 template <bool OUT_BF16, int NWARPS>
-__device__ __forceinline__ void epilogue_rows(const float* red, int rows, int row0, int ncol0, const GemmArgs& p)
+__device__ __forceinline__ void epilogue_rows(const float* red, int rows, int row0, int ncol0, const GemmArgs& p,
+                                              const u16* svh)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int col = ncol0 + lane * 4;
-    const uint2 sv = *(const uint2*)(p.svh + col);
+    const uint2 sv = *(const uint2*)(svh + col);
     const u16 s16[4] = {(u16)(sv.x & 0xffff), (u16)(sv.x >> 16), (u16)(sv.y & 0xffff), (u16)(sv.y >> 16)};
     float bs[4] = {0.f, 0.f, 0.f, 0.f};
     if (p.bias)
@@ -70,8 +78,9 @@ EXL3_INLINE void mma_16832_s8u8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
 // One (column block, k range) segment: pipelined decode + mma, fixed-order k-warp reduction, then the epilogue
 // directly (ncontrib == 1), through split slots (mode 1) or through atomics with the last arriving block finishing.
 template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8>
-__device__ __forceinline__ void gemm_segment(const GemmArgs& p, char* smem, const int cb, const int split, const int mb,
-                                             const int step0, const int nstages, const int ncontrib)
+__device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trellis, const u16* svh, char* smem,
+                                             const int cb, const int split, const int mb, const int step0,
+                                             const int nstages, const int ncontrib)
 {
     constexpr int NWN = 8 / NT;
     constexpr int NWARPS = NWN * KW;
@@ -98,7 +107,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, char* smem, cons
     const u16* A = p.xh + ((size_t)shard * p.m + row0) * p.k;
     const int ntiles = p.n_total >> 4;
     const size_t b_row = (size_t)ntiles * W32;
-    const u32* B = p.trellis + (size_t)step0 * b_row + (size_t)cb * 8 * W32;
+    const u32* B = trellis + (size_t)step0 * b_row + (size_t)cb * 8 * W32;
 
     u32* sB = (u32*)smem;
     u16* sA = (u16*)(smem + STAGES * B_STAGE * 4);
@@ -116,7 +125,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, char* smem, cons
         const u32 adst = smem_addr(sA + buf * A_STAGE);
         if constexpr (I8)
         {
-            const char* xq = (const char*)p.xh + ((size_t)shard * (p.k >> 4) + step0 + s * KS) * 256;
+            const char* xq = (const char*)p.xh + ((size_t)(shard * p.mblocks + mb) * (p.k >> 4) + step0 + s * KS) * 256;
             for (int c = tid; c < KS * 16; c += THREADS) cp_async16(adst + c * 16, xq + c * 16, 16);
             return;
         }
@@ -219,7 +228,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, char* smem, cons
     if constexpr (I8)
     {
         // Back to floats: hi and lo rows recombine in-lane; the split holding k = 0 adds the offset term once.
-        const float* mt = p.xmeta + ((size_t)shard * 8 + (lane >> 2)) * 4;
+        const float* mt = p.xmeta + ((size_t)(shard * p.mblocks + mb) * 8 + (lane >> 2)) * 4;
         const float sh = mt[0] * mul1_scale(), sl = mt[1] * mul1_scale();
         const float off = (step0 == 0 && kw == 0) ? mt[2] * mul1_offset() : 0.f;
         #pragma unroll
@@ -258,7 +267,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, char* smem, cons
     const int ncol0 = cb * 128;
     if (ncontrib == 1)
     {
-        epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p);
+        epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
         return;
     }
     if (p.mode == 1)
@@ -292,7 +301,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, char* smem, cons
     }
     if (tid == 0) *counter = 0;
     __syncthreads();
-    epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p);
+    epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
 }
 
 // Fixed split-k (grid = column blocks x splits x row blocks) or, as separate kernels, stream-k (grid.x = p.stream
@@ -301,10 +310,19 @@ template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8 = f
 __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
 {
     const int mb = blockIdx.z;
+    const u32* trellis = p.trellis;
+    const u16* svh = p.svh;
+    if (p.block_expert)
+    {
+        const int e = p.block_expert[mb];
+        if (e < 0 || p.expert_where[2 * e] != p.group) return;
+        trellis += (size_t)p.expert_where[2 * e + 1] * p.expert_words;
+        svh += (size_t)e * p.n_total;
+    }
     if constexpr (!STREAM)
     {
         const int step0 = blockIdx.y * p.steps_per_split;
-        gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, smem, blockIdx.x, blockIdx.y, mb, step0,
+        gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, trellis, svh, smem, blockIdx.x, blockIdx.y, mb, step0,
                                                            min(p.steps_per_split, (p.k >> 4) - step0) / KS, p.splits);
         return;
     }
@@ -318,7 +336,8 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         const int nstages = min(nst - s_lo, u1 - u0);
         const int first = (int)((((long long)cb * nst + 1) * G - 1) / U);
         const int last = (int)(((long long)(cb + 1) * nst * G - 1) / U);
-        gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, smem, cb, 0, mb, s_lo * KS, nstages, last - first + 1);
+        gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, trellis, svh, smem, cb, 0, mb, s_lo * KS, nstages,
+                                                           last - first + 1);
         u0 += nstages;
         __syncthreads();
     }
