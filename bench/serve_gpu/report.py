@@ -17,6 +17,26 @@ KINDS = ("exl3", "bf16")
 DEVICE_CALLS = [("bash bench/serve_gpu/run_prepare.sh .vkit/c0", '[".vkit/c0"]'),
                 ("bash bench/serve_gpu/run_exactness.sh .vkit/c1", '[".vkit/c1"]'),
                 ("bash bench/serve_gpu/run_speed.sh exl3", "[]"), ("bash bench/serve_gpu/run_speed.sh bf16", "[]")]
+# The MoE sitting (README.md here): the add-on part, eager exactness and the exl3 rows share the c1 call.
+MOE_ROWS = "--preset qwen3-30b-a3b --rows 1024:1:10,1024:16:96,1024:64:192"
+MOE_DEVICE_CALLS = [('SPEED_ARGS="--preset qwen3-30b-a3b" bash bench/serve_gpu/run_prepare.sh .vkit/c0', '[".vkit/c0"]'),
+                    ("bash .vkit/c2/stage.sh .vkit/c2", '[".vkit/c2"]'),
+                    ('BUDGET_S=115 EXACT_ARGS="--moe --eager --tokens 16" bash bench/serve_gpu/run_exactness.sh .vkit/c1; '
+                     f'SPEED_ARGS="{MOE_ROWS}" bash bench/serve_gpu/run_speed.sh exl3', '[".vkit/c1"]'),
+                    (f'SPEED_ARGS="{MOE_ROWS}" bash bench/serve_gpu/run_speed.sh bf16', "[]")]
+# Per preset: title, model line, device calls.
+MODELS = {
+    "llama-3-8b": ("Llama-3-8B shapes",
+                   "Llama-3-8B architecture (synthetic weights: `exl3-vllm synth`), decoder linears EXL3 4.0 bpw "
+                   "mul1, lm_head EXL3 6 bits (the converter's default), embeddings fp16; bf16 baseline: the same "
+                   "config with `--load-format dummy`; `max_position_embeddings` raised to 16384 in both so that "
+                   "8192 + 256 tokens fit (only the RoPE table grows)", DEVICE_CALLS),
+    "qwen3-30b-a3b": ("Qwen3-30B-A3B shapes (MoE)",
+                      "Qwen3-30B-A3B architecture (48 layers, 128 experts of intermediate 768, top-8; synthetic "
+                      "weights: `exl3-vllm synth`), attention and every expert EXL3 4.0 bpw mul1, routers fp16, "
+                      "lm_head EXL3 6 bits, embeddings fp16; bf16 baseline: the same config with "
+                      "`--load-format dummy` (vLLM's Triton fused MoE)", MOE_DEVICE_CALLS),
+}
 # (what, concurrency or None, input length or None, ratio key, bound, "min"/"max") from the issue.
 GOALS = [("decode tok/s", 1, None, "decode", 1.6, "min"), ("out tok/s", 16, None, "out", 1.5, "min"),
          ("out tok/s", 64, None, "out", 1.0, "min"), ("TTFT", None, 8192, "ttft", 1.15, "max")]
@@ -218,6 +238,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default="bench/results")
     ap.add_argument("--date", help="default: the day the exl3 run started (its meta), else today (UTC)")
     ap.add_argument("--name", default="serve-h200")
+    ap.add_argument("--preset", default="llama-3-8b", choices=sorted(MODELS), help="the model the rows served")
     ap.add_argument("--commit", help="default: git rev-parse here")
     ap.add_argument("--device-run", action="store_true", help="run on the device copy (no git there)")
     a = ap.parse_args()
@@ -232,13 +253,11 @@ def main() -> int:
                           else git_commit())
     device = next((m["nvidia_smi_after_start"].split(",")[0] for m in meta.values()
                    if m.get("nvidia_smi_after_start", "nvidia-smi:")[:11] != "nvidia-smi:"), "unknown")
-    md = [f"# Serving: EXL3 4.0 bpw against bf16, Llama-3-8B shapes, vLLM on {device}", "",
+    title, model_line, calls = MODELS[a.preset]
+    md = [f"# Serving: EXL3 4.0 bpw against bf16, {title}, vLLM on {device}", "",
           f"- date: {a.date}; commit: {commit}; device: {device}",
           f"- EXL3 checkpoint as written: {inspect_text(meta.get('exl3', {}))}",
-          "- model: Llama-3-8B architecture (synthetic weights: `exl3-vllm synth`), decoder linears EXL3 4.0 bpw "
-          "mul1, lm_head EXL3 6 bits (the converter's default), embeddings fp16; bf16 baseline: the same "
-          "config with `--load-format dummy`; `max_position_embeddings` raised to 16384 in both so that "
-          "8192 + 256 tokens fit (only the RoPE table grows)",
+          f"- model: {model_line}",
           "- `vllm bench serve`: random dataset, `--ignore-eos`, prefix caching off on the server, seed = input "
           "length + concurrency (distinct per row, the same prompts for both models), request rate inf, "
           "`--max-concurrency` = c",
@@ -279,7 +298,7 @@ def main() -> int:
            "Device calls, back to back (bench/serve_gpu/README.md); the server and bench run in the vLLM kit's "
            "environment (`/tmp/vllm-kit/env.sh`) plus `VLLM_PLUGINS=exl3` (bench/serve_gpu/device_env.sh):", "",
            "| command | carry |", "|---|---|"]
-    md += [f"| `{c}` | `{k}` |" for c, k in DEVICE_CALLS]
+    md += [f"| `{c}` | `{k}` |" for c, k in calls]
     md += [""]
     for kind in KINDS:
         cmds = meta.get(kind, {}).get("commands", {})
