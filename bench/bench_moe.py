@@ -41,40 +41,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_linear import CB, copies_for, graph_time, measure_ceilings  # noqa: E402  (also puts src/ on sys.path)
+from clocks import Clocks  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 
 ALL_T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 LIGHT_T = 256  # rows with T <= this wait for a rested SM clock (see bench/README.md, measurement notes)
 FIELDS = ["config", "K", "cb", "T", "distinct_experts", "ours_us", "bf16_us", "speedup", "vllm_us", "speedup_vllm", "GBps", "TFLOPs",
           "floor_us", "pct_floor", "decode_only_us", "bf16_path", "sm_mhz", "error"]
-
-
-class Clock:
-    """NVML SM clock (optional): light rows wait until the clock is back from the power cap."""
-
-    def __init__(self):
-        self.h = None
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            self.nv = pynvml
-            self.h = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self.max = pynvml.nvmlDeviceGetMaxClockInfo(self.h, pynvml.NVML_CLOCK_SM)
-        except Exception as e:  # noqa: BLE001
-            print(f"[clock] NVML unavailable ({e}); no clock waits", flush=True)
-
-    def sm(self):
-        try:
-            return self.nv.nvmlDeviceGetClockInfo(self.h, self.nv.NVML_CLOCK_SM) if self.h else ""
-        except Exception:  # noqa: BLE001
-            return ""
-
-    def wait_rested(self, timeout=3.0):
-        if not self.h:
-            return
-        t0 = time.time()
-        while (self.sm() or 0) < 0.97 * self.max and time.time() - t0 < timeout:
-            time.sleep(0.05)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -362,7 +335,7 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else ALL_T
     configs = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.configs.split(",") if c]
-    clock = Clock()
+    clock = Clocks()
     log = []
 
     bw, gemm_rate = measure_ceilings(args.reps)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from gpu_report import rel as _rel, report as _report  # noqa: E402
 from exl3_vllm.format.hadamard import hadamard_128  # noqa: E402
 from exl3_vllm.format.reconstruct import w_hat  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
@@ -19,7 +19,6 @@ MS = (1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 129, 255, 256, 511, 1024
 VARIANTS = [(b, cb) for b in (1, 2, 3, 4, 5, 6, 7, 8) for cb in (0, 1, 2)] + [(1.5, 2), (2.5, 2), (3.5, 2)]
 DTYPES = (torch.float16, torch.bfloat16)
 TOL = 1e-3
-REPORT = os.environ.get("EXL3_TEST_REPORT")
 DEV = torch.device("cuda")
 
 
@@ -45,17 +44,6 @@ def _dense64(trellis, suh, svh, cb, sizes):
         cols.append(suh[s].double()[:, None] * w[:, c:c + width])
         c += width
     return torch.cat(cols, 1)
-
-
-def _rel(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def _report(line):
-    print(line)
-    if REPORT:
-        with open(REPORT, "a") as f:
-            f.write(line + "\n")
 
 
 @pytest.mark.parametrize("bits,cb", VARIANTS)

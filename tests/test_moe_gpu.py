@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import pytest
@@ -13,6 +12,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from gpu_report import rel as _rel, report as _report  # noqa: E402
 from exl3_vllm.format.hadamard import hadamard_128  # noqa: E402
 from exl3_vllm.format.reconstruct import w_hat  # noqa: E402
 from exl3_vllm.kernels import KernelError  # noqa: E402
@@ -23,7 +23,6 @@ TS = (1, 2, 3, 8, 16, 33, 64, 128, 257, 1024, 4096)
 DTYPES = (torch.float16, torch.bfloat16)
 IDS_DTYPES = (torch.int32, torch.int64)
 TOL = 1e-3
-REPORT = os.environ.get("EXL3_TEST_REPORT")
 DEV = torch.device("cuda")
 INST3, MCG, MUL1 = 0, 1, 2
 # suh as _layer in test_kernels_gpu; svh 10x larger so gate/up/down outputs are O(0.1..1) as in a real MLP
@@ -150,17 +149,6 @@ def _reference(x, w, ids, w13, w2, inter_valid=-1, weights_on_input=False):
                 a[:, inter_valid:] = 0  # padding columns of the intermediate count as zeros
             acc.index_add_(0, rows, coef * rnd(rnd(a) @ w2[e])[:, :hidden])
     return ref, emu.to(dt)
-
-
-def _rel(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def _report(line):
-    print(line)
-    if REPORT:
-        with open(REPORT, "a") as f:
-            f.write(line + "\n")
 
 
 def _check(y, x, ref, emu, label, worst, key, fails):

@@ -41,7 +41,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import peer_ext  # noqa: E402
+from clocks import Clocks  # noqa: E402
 
 LAYERS = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -57,36 +59,6 @@ FIELDS = ["proc", "phase", "method", "k", "n", "K", "cb", "M", "path", "us_media
           "weight_bytes", "act_bytes", "out_bytes", "flops", "value", "unit", "note", "sm_mhz", "sm_mhz_end"]
 
 M_LIGHT_MAX = 256         # light pass: M <= this (no sustained power draw); heavy pass: M > this
-
-
-class Clocks:
-    """NVML SM-clock reader. Sustained large GEMMs push the H200 into its power cap (seen: 1980 -> 1425 MHz,
-    throttle reason 0x4, lasting seconds after the load ends), which slows the decode-bound small-M kernels by
-    up to ~35% but memory-bound bf16 GEMV by ~4%. Light measurements therefore wait for the clock to recover."""
-
-    def __init__(self):
-        self.h = None
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            self.nv = pynvml
-            self.h = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self.max = pynvml.nvmlDeviceGetMaxClockInfo(self.h, pynvml.NVML_CLOCK_SM)
-        except Exception as e:
-            print("[clock] NVML unavailable:", e, flush=True)
-        print(f"[clock] SM clock now {self.sm()} MHz, max {getattr(self, 'max', '?')} MHz", flush=True)
-        self.waited = 0.0
-
-    def sm(self) -> int | str:
-        return self.nv.nvmlDeviceGetClockInfo(self.h, self.nv.NVML_CLOCK_SM) if self.h else ""
-
-    def wait_rested(self, timeout=3.0):
-        if not self.h:
-            return
-        t0 = time.time()
-        while self.sm() < 0.97 * self.max and time.time() - t0 < timeout:
-            time.sleep(0.05)
-        self.waited += time.time() - t0
 
 
 class Deadline(Exception):
