@@ -218,6 +218,12 @@ def probe_vllm(dev, args, log):
         log.append("vLLM fused_experts baseline unavailable: " + why)
         return None, None, why
     ver = getattr(vllm, "__version__", "?")
+
+    def unavailable(why):
+        log.append(f"vLLM {ver} fused_experts baseline unavailable: {why}")
+        _sync_quiet()
+        return None, None, why
+
     try:
         from vllm.config import VllmConfig, set_current_vllm_config  # noqa: PLC0415
         cfg = VllmConfig()
@@ -241,24 +247,16 @@ def probe_vllm(dev, args, log):
         r = ref_moe(x, ids, w, w1.transpose(1, 2), w2.transpose(1, 2), i_small)
         err = ((y - r).abs().max() / r.abs().max().clamp_min(1e-6)).item()
         if not err < 3e-2:
-            why = f"probe MISMATCH: rel. max error {err:.2e} vs fp32 per-expert reference"
-            log.append(f"vLLM {ver} fused_experts baseline unavailable: {why}")
-            return None, None, why
+            return unavailable(f"probe MISMATCH: rel. max error {err:.2e} vs fp32 per-expert reference")
         log.append(f"probe vLLM {ver} fused_experts: rel. max error {err:.2e} vs fp32 per-expert reference -> ok")
     except Exception as e:  # noqa: BLE001
-        why = "probe failed: " + short_err(e)
-        log.append(f"vLLM {ver} fused_experts baseline unavailable: {why}")
-        _sync_quiet()
-        return None, None, why
+        return unavailable("probe failed: " + short_err(e))
     try:
         with ctx():
             graph_time([lambda: fused_experts(x, w1, w2, w, ids)] * 2, 1)
         log.append(f"vLLM fused_experts captures in one CUDA graph ({ctx_desc})")
     except Exception as e:  # noqa: BLE001
-        why = "CUDA graph capture failed: " + short_err(e)
-        log.append(f"vLLM {ver} fused_experts baseline unavailable: {why}")
-        _sync_quiet()
-        return None, None, why
+        return unavailable("CUDA graph capture failed: " + short_err(e))
     return fused_experts, ctx, f"vLLM {ver}, {ctx_desc}"
 
 

@@ -13,7 +13,7 @@ import torch
 
 from . import nvrtc
 from .nvrtc import KernelError
-from .op import _GemmArgs, _dev, bits_of, deterministic, int8_ok
+from .op import _DTYPES as _OP_DTYPES, _ZERO, _GemmArgs, _dev, bits_of, deterministic, int8_ok
 from .variants import IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, gemm_kernel_name, linear_defines
 
 
@@ -126,15 +126,13 @@ def _needs(p: MoePlan, pairs: int, k13: int, n13: int, k2: int, n2: int) -> dict
         need["xmeta"] = 2 * p.max_blocks * 32
     else:
         need["xh"] = rows * max(2 * k13, k2)
-    if (p.splits13 > 1 or p.splits2 > 1):
+    if p.splits13 > 1 or p.splits2 > 1:
         need["ws_atomic"] = rows * max(n13, n2)
     return need
 
 
-_DTYPES = {"moe_pos": torch.int32, "moe_rows": torch.int32, "moe_blocks": torch.int32, "moe_y": torch.int16,
-           "counters": torch.int32, "xq": torch.int8, "xmeta": torch.float32, "xh": torch.float16,
-           "ws_atomic": torch.float32}
-_ZERO = {"counters", "ws_atomic"}
+# Workspace shared with the dense op (xh, xq, xmeta, counters, ws_atomic) keeps its dtypes; the rest is ours.
+_DTYPES = dict(_OP_DTYPES, moe_pos=torch.int32, moe_rows=torch.int32, moe_blocks=torch.int32, moe_y=torch.int16)
 
 
 def prepare_moe(w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w2_trellis: List[torch.Tensor],
