@@ -87,6 +87,42 @@ def test_plan_int8_tier(monkeypatch):
         kop.plan(1, 4096, 4096, 4, 132, codebook=1)
 
 
+def test_plan_wg_tiers(monkeypatch):
+    """On sm_90 the wgmma tiers take 9..LARGE_M rows; other archs keep the mma.sync tiers; forcing checks the arch."""
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).tier == "i8"
+    assert kop.plan(9, 4096, 4096, 4, 132, codebook=2, arch=90).tier == "w16"
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90).tier == "w16"
+    assert kop.plan(33, 4096, 4096, 4, 132, arch=90).tier == "w64"
+    assert kop.plan(33, 4096, 4096 + 128, 4, 132, arch=90).tier == "w64n"
+    assert kop.plan(33, 4096, 4096, 4, 132, arch=90, col_align=128).tier == "w64n"
+    assert kop.plan(100, 4096, 4096, 4, 132, arch=90).tier == "w128"
+    assert kop.plan(100, 4096, 1152, 4, 132, arch=90).tier == "w128n"
+    assert kop.plan(500, 4096, 4096, 4, 132, arch=90, force="w128").tier == "w128"
+    assert kop.plan(kop.DEFAULT_LARGE_M_WG + 1, 4096, 4096, 4, 132, arch=90).path == "dequant"
+    assert kop.plan(33, 4096, 4096, 4, 132, arch=89).tier == "m64"
+    assert kop.plan(33, 4096, 4096, 4, 132, arch=100).tier == "m64"
+    monkeypatch.setenv("EXL3_VLLM_WGMMA", "0")
+    assert kop.plan(33, 4096, 4096, 4, 132, arch=90).tier == "m64"
+    assert kop.plan(200, 4096, 4096, 4, 132, arch=90).path == "dequant"
+    monkeypatch.setenv("EXL3_VLLM_TIER", "w64")
+    with pytest.raises(kop.KernelError, match="sm_90"):
+        kop.plan(33, 4096, 4096, 4, 132, arch=86)
+
+
+def test_tune_buckets_and_candidates():
+    """The measured dispatch's row buckets and the paths it times per bucket (no GPU needed to list them)."""
+    from types import SimpleNamespace
+    from exl3_vllm.kernels import tune
+    assert [tune.bucket(m) for m in (1, 3, 8, 9, 100, 4096, 9000)] == [1, 4, 8, 16, 128, 4096, 4096]
+    hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024)
+    ampere = SimpleNamespace(arch=80, smem_limit=163 * 1024)
+    assert tune.candidates(hopper, 4, 4096, 4, 2, 4096) == ["i8", "w16", "m16"]
+    assert tune.candidates(hopper, 64, 4096, 4, 1, 4096) == ["w64", "m64", "dequant"]
+    assert tune.candidates(hopper, 64, 4096, 4, 1, 128) == ["w64n", "m64", "dequant"]
+    assert tune.candidates(ampere, 256, 4096, 4, 1, 4096) == ["m128", "dequant"]
+    assert tune.layer_key(4096, 6144, 2.5, 2, [4096, 1024, 1024]) == "4096x6144-K2.5-cb2-s4096_1024_1024"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fake_impl_shapes(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+import math
+
 import pytest
 import torch
 
@@ -20,6 +22,13 @@ VARIANTS = [(b, cb) for b in (1, 2, 3, 4, 5, 6, 7, 8) for cb in (0, 1, 2)] + [(1
 DTYPES = (torch.float16, torch.bfloat16)
 TOL = 1e-3
 DEV = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _static_plan(monkeypatch):
+    """The static plan by default: timing every bucket of every small test layer would dominate the run
+    (test_measured_dispatch turns the measured dispatch back on)."""
+    monkeypatch.setenv("EXL3_VLLM_TUNE", "0")
 
 
 def _layer(k, n, bits, shards, gen):
@@ -75,6 +84,79 @@ def test_every_m_dtype_and_shards(bits, cb):
     for (dt, s), e in sorted(worst.items(), key=str):
         _report(f"K={bits:g} cb={cb} {str(dt)[6:]:8s} shards={s} max_rel_err={e:.3e}")
     assert not fails, "\n".join(fails[:20])
+
+
+WG_VARIANTS = [(4, 2), (4, 1), (3, 0), (2.5, 2), (8, 2), (1, 1)]
+
+
+@pytest.mark.parametrize("tier", ["w16", "w32", "w64", "w128", "w64n", "w128n", "m16", "m32", "m64", "m128", "dequant"])
+def test_tiers_forced(tier, monkeypatch):
+    """Each tier (the Hopper wgmma ones on sm_90), forced, at partial/whole/multiple row blocks, fused shards, split-k
+    and one split: the measured dispatch may pick any of them."""
+    if tier.startswith("w") and torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wg tiers are sm_90a only")
+    monkeypatch.setenv("EXL3_VLLM_TIER", tier)
+    bm = kop.TIERS[tier].bm if tier != "dequant" else 128
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device=DEV).manual_seed(bm)
+    worst, fails = 0.0, []
+    for bits, cb in WG_VARIANTS:
+        wide = tier != "dequant" and kop.TIERS[tier].cols == 256
+        for k, sizes in ((512, [512]), (4096, [256, 512, 256])) if wide else ((512, [384]), (4096, [128, 256, 128])):
+            n = sum(sizes)
+            trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
+            w64 = _dense64(trellis, suh, svh, cb, sizes)
+            splits = kop.plan(bm, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=math.gcd(*sizes)).splits
+            assert k == 512 or tier == "dequant" or splits > 1
+            for m in sorted({1, 9, bm - 1, bm, bm + 1, 2 * bm + 3}):
+                for dt in DTYPES:
+                    x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
+                    ref = x.double() @ w64 + bias.double()
+                    out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+                    kop.linear_cuda(x, trellis, suh if len(sizes) > 1 else suh[0], svh, bias, sizes, cb, out=out)
+                    torch.cuda.synchronize()
+                    err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
+                    worst = max(worst, err)
+                    if not (err <= TOL + floor) or torch.isnan(out).any():
+                        fails.append(f"K={bits} cb={cb} k={k} m={m} {dt}: err {err:.2e} (floor {floor:.2e})")
+    _report(f"tier {tier} forced: max_rel_err={worst:.3e} over {len(WG_VARIANTS)} variants")
+    assert not fails, "\n".join(fails[:20])
+
+
+def test_measured_dispatch(tmp_path, monkeypatch):
+    """prepare() times the candidates per row bucket, keeps a valid winner per bucket, writes the disk cache, and a
+    fresh process state reads the same table back; the tuned calls stay exact."""
+    from exl3_vllm.kernels import tune
+    monkeypatch.setenv("EXL3_VLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EXL3_VLLM_TUNE", "1")
+    monkeypatch.delenv("EXL3_VLLM_TIER", raising=False)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    k, sizes = 2048, [1024, 256, 256]
+    n = sum(sizes)
+    trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
+    w64 = _dense64(trellis, suh, svh, 2, sizes)
+    d = kop._dev(0)
+    key = (0, tune.layer_key(k, n, 4, 2, sizes))
+    tune._table.pop(key, None)
+    kop.prepare(k, n, 4, 2, 300, DEV, sizes)
+    table = dict(tune._table[key])
+    assert sorted(table) == [b for b in tune.BUCKETS if b <= 512], table
+    for b, c in table.items():
+        assert c in tune.candidates(d, b, k, 4, 2, math.gcd(*sizes)), (b, c)
+    files = list((tmp_path / "tune").glob("*.json"))
+    assert len(files) == 1
+    tune._table.pop(key)
+    tune._disk.clear()
+    kop.prepare(k, n, 4, 2, 300, DEV, sizes)
+    assert tune._table[key] == table
+    for m in (1, 5, 12, 40, 100, 300):
+        x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        kop.linear_cuda(x, trellis, suh, svh, bias, sizes, 2, out=out)
+        ref = x.double() @ w64 + bias.double()
+        err, floor = _rel(out, ref), _rel(ref.bfloat16(), ref)
+        assert err <= TOL + floor, (m, err)
+    _report(f"measured dispatch k={k} shards={sizes}: {table}")
 
 
 def test_split_k_large_k_and_op_path():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-_HEADERS = ("exl3_common.cuh", "exl3_input.cuh")
+_HEADERS = ("exl3_common.cuh", "exl3_input.cuh", "exl3_wgmma.cuh")
 # Fixed options; --use_fast_math is avoided so fp32 arithmetic stays IEEE round-to-nearest.
 _BASE_OPTS = ("-std=c++17", "-Xptxas=-v", "--fmad=true")
 
@@ -118,12 +118,17 @@ def parse_ptxas_log(log: str) -> list[KernelInfo]:
     return out
 
 
+def arch_flag(arch: int) -> str:
+    """The NVRTC target: Hopper builds for sm_90a so the wgmma tiers exist (the cubin runs only on sm_90 parts)."""
+    return f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+
+
 def _key(source: str, arch: int, defines: dict) -> str:
     h = hashlib.sha256()
     h.update(read_source(source))
     for hdr in _HEADERS:
         h.update(read_source(hdr))
-    h.update(repr((arch, sorted(defines.items()), _BASE_OPTS, nvrtc_version())).encode())
+    h.update(repr((arch_flag(arch), sorted(defines.items()), _BASE_OPTS, nvrtc_version())).encode())
     return h.hexdigest()[:32]
 
 
@@ -146,7 +151,7 @@ def compile_source(source: str, arch: int, defines: dict | None = None, use_cach
     prog = _check(nv.nvrtcCreateProgram(read_source(source), source.encode(), len(hdrs), hdrs,
                                         [h.encode() for h in _HEADERS]), "nvrtcCreateProgram")
     try:
-        opts = [f"--gpu-architecture=sm_{arch}".encode(), *(o.encode() for o in _BASE_OPTS)]
+        opts = [f"--gpu-architecture={arch_flag(arch)}".encode(), *(o.encode() for o in _BASE_OPTS)]
         opts += [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]
         res = nv.nvrtcCompileProgram(prog, len(opts), opts)
         size = _check(nv.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")

@@ -13,10 +13,12 @@ import torch
 
 from . import nvrtc
 from .nvrtc import KernelError
-from .variants import INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, TIERS, gemm_kernel_name, linear_defines
+from .variants import INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, TIERS, WG_ARCH, gemm_kernel_name, linear_defines
 
-# Above this many rows the dequantize + cuBLAS path is used (EXL3_VLLM_LARGE_M overrides).
+# Above this many rows the static plan takes dequantize + cuBLAS (EXL3_VLLM_LARGE_M overrides); the measured
+# dispatch (tune.py) may still pick a fused tier there.
 DEFAULT_LARGE_M = 128
+DEFAULT_LARGE_M_WG = 128
 # Bytes of the fp16 weight scratch of the large-M path (EXL3_VLLM_DEQUANT_BYTES overrides).
 DEFAULT_DEQUANT_BYTES = 128 << 20
 
@@ -33,8 +35,13 @@ def deterministic() -> bool:
     return os.environ.get("EXL3_VLLM_DETERMINISTIC", "0") not in ("", "0", "false", "False")
 
 
-def _large_m() -> int:
-    return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M))
+def wg_enabled(arch: int) -> bool:
+    """The Hopper wgmma tiers: built for sm_90a only; EXL3_VLLM_WGMMA=0 falls back to the mma.sync tiers."""
+    return arch == WG_ARCH and os.environ.get("EXL3_VLLM_WGMMA", "1") != "0"
+
+
+def _large_m(arch: int = 0) -> int:
+    return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M_WG if wg_enabled(arch) else DEFAULT_LARGE_M))
 
 
 def _dequant_bytes() -> int:
@@ -66,11 +73,30 @@ def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
             and os.environ.get("EXL3_VLLM_INT8", "1") != "0")
 
 
+def wg_tier(m: int, bits: float, smem_limit: int, col_align: int):
+    """The Hopper tier for m rows: fewest rows that hold m, then the widest block (x is re-read per column block)."""
+    wgs = [t for t in TIERS.values() if t.wg and t.smem(bits) <= smem_limit and col_align % t.cols == 0]
+    fit = [t for t in wgs if m <= t.bm]
+    return min(fit, key=lambda t: (t.bm, -t.cols)) if fit else max(wgs, key=lambda t: (t.bm, t.cols))
+
+
+def mma_tier(m: int, bits: float, smem_limit: int):
+    """The mma.sync tier for m rows (any sm_80+)."""
+    fits = [t for t in TIERS.values() if not t.int8 and not t.wg and t.smem(bits) <= smem_limit]
+    return next((t for t in fits if m <= t.bm), fits[-1])
+
+
 def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | None = None,
-         smem_limit: int = 227 * 1024, codebook: int = -1) -> Plan:
-    """How one call runs: tier and split-k factor, or the dequant path with its chunk width."""
-    force = os.environ.get("EXL3_VLLM_TIER", "")
-    if force == "dequant" or (not force and m > _large_m()):
+         smem_limit: int = 227 * 1024, codebook: int = -1, arch: int = 0, col_align: int | None = None,
+         force: str | None = None) -> Plan:
+    """How one call runs: tier and split-k factor, or the dequant path with its chunk width.
+
+    col_align: the gcd of the shard widths (a block's columns must lie in one shard); default n_total.
+    force: a tier name or "dequant" (default: EXL3_VLLM_TIER, else the static choice below).
+    """
+    col_align = col_align or n_total
+    force = os.environ.get("EXL3_VLLM_TIER", "") if force is None else force
+    if force == "dequant" or (not force and m > _large_m(arch)):
         cols = max(128, (_dequant_bytes() // (2 * k)) // 128 * 128)
         return Plan("dequant", chunk=min(cols, max_shard or n_total))
     if force:
@@ -80,14 +106,20 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         if tier.int8 and not (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit):
             raise KernelError(f"EXL3_VLLM_TIER=i8 needs the mul1 codebook, at most {INT8_MAX_M} rows and "
                               f"4*k + 1024 <= {smem_limit} (got codebook {codebook}, m={m}, k={k})")
+        if tier.wg and arch != WG_ARCH:
+            raise KernelError(f"EXL3_VLLM_TIER={force} needs an sm_{WG_ARCH} GPU (wgmma), this is sm_{arch}")
+        if col_align % tier.cols:
+            raise KernelError(f"EXL3_VLLM_TIER={force} covers {tier.cols} columns per block; this layer's shards "
+                              f"are multiples of {col_align} only (use the 'n' twin, e.g. w64n)")
     elif int8_ok(m, k, codebook, smem_limit):
         tier = TIERS["i8"]
+    elif wg_enabled(arch):
+        tier = wg_tier(m, bits, smem_limit, col_align)
     else:
-        fits = [t for t in TIERS.values() if not t.int8 and t.smem(bits) <= smem_limit]
-        tier = next((t for t in fits if m <= t.bm), fits[-1])
+        tier = mma_tier(m, bits, smem_limit)
     mblocks = -(-m // tier.bm)
     ktiles = k // 16
-    base = (n_total // 128) * mblocks
+    base = (n_total // tier.cols) * mblocks
     slots = sms * (2 if tier.threads <= 256 else 1)
     # Just enough splits to fill the resident-block slots once; more splits measured slower (atomics, A re-reads).
     splits = max(1, min(-(-slots // base), ktiles // tier.ks))
@@ -99,10 +131,10 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     splits = -(-ktiles // steps)
     blocks = base * splits
     fill = blocks / (-(-blocks // slots) * slots)
-    if tier.int8 and fill < 0.9 and not fs and not deterministic() and os.environ.get("EXL3_VLLM_STREAMK", "1") != "0":
+    if tier.stream and fill < 0.9 and not fs and not deterministic() and os.environ.get("EXL3_VLLM_STREAMK", "1") != "0":
         # A partial last wave (224 column blocks x 2 splits on 264 slots: 85%) idles SMs; stream-k gives every
         # resident block the same number of (column block, stage) units instead.
-        units = (n_total // 128) * (ktiles // tier.ks)
+        units = (n_total // tier.cols) * (ktiles // tier.ks)
         return Plan("gemm", tier.name, splits, steps, stream=max(1, min(slots // mblocks, units)))
     return Plan("gemm", tier.name, splits, steps)
 
@@ -189,23 +221,36 @@ _DTYPES = {"xh": torch.float16, "xq": torch.int8, "xmeta": torch.float32, "wscra
 _ZERO = {"counters", "ws_atomic"}
 
 
+def plan_for(d: "_Device", m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Plan:
+    """The plan a call on device d runs: EXL3_VLLM_TIER, else the measured choice for m's bucket, else static."""
+    from . import tune
+    force = os.environ.get("EXL3_VLLM_TIER") or tune.choice(d, m, k, n_total, bits, codebook, sizes) or ""
+    return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
+
+
 def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
             device: torch.device | int | str | None = None, shard_sizes: Optional[List[int]] = None) -> None:
-    """Compile/load every kernel a layer may dispatch to and reserve workspace for up to max_m rows.
+    """Compile/load every kernel a layer may dispatch to, time the candidate paths per row bucket (once per layer
+    shape and device, cached on disk) and reserve workspace for up to max_m rows.
 
     Call once per layer at load time, before any CUDA-graph capture.
     """
+    from . import tune
     dev = torch.device(device if device is not None else "cuda")
     if dev.type != "cuda":
         return
     d = _dev(dev.index if dev.index is not None else torch.cuda.current_device())
-    shards = len(shard_sizes) if shard_sizes else 1
+    sizes = list(shard_sizes) if shard_sizes else [n_total]
+    shards = len(sizes)
     d.module(IO_SOURCE, None)
     d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
+    tune.ensure(d, k, n_total, bits, codebook, sizes, max_m)
     need: dict[str, int] = {}
-    ms = sorted(set(list(range(1, min(max_m, _large_m() + 1) + 1)) + [max_m]))
+    # Workspace grows with m within a path, so every m up to 256 and each bucket edge covers all calls.
+    ms = sorted(set(range(1, min(max_m, max(256, _large_m(d.arch) + 1)) + 1)) |
+                {b for b in tune.BUCKETS if b <= max_m} | {max_m})
     for m in ms:
-        p = plan(m, k, n_total, bits, d.sms, max(shard_sizes) if shard_sizes else None, d.smem_limit, codebook)
+        p = plan_for(d, m, k, n_total, bits, codebook, sizes)
         for name, v in _needs(p, m, k, n_total, shards).items():
             need[name] = max(need.get(name, 0), v)
     with d.lock:
@@ -251,8 +296,8 @@ def _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook):
     return k, n_total, sizes, bits
 
 
-def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None):
-    """Our kernels.  x [..., k] fp16/bf16 -> [..., n_total] in x.dtype."""
+def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, force: str | None = None):
+    """Our kernels.  x [..., k] fp16/bf16 -> [..., n_total] in x.dtype; force picks the path (tier or "dequant")."""
     k, n_total, sizes, bits = _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -268,7 +313,8 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None):
         bias = bias.to(torch.float16).contiguous()
     d = _dev(x.device.index)
     S = len(sizes)
-    p = plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook)
+    p = plan_for(d, m, k, n_total, bits, codebook, sizes) if force is None else \
+        plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
     io = d.module(IO_SOURCE, None)
     lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
     stream = torch.cuda.current_stream(x.device).cuda_stream
@@ -317,7 +363,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None):
     a.mblocks = 1
     smem = tier.smem(bits)
     f = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else ""), bf), smem)
-    grid = (p.stream, 1, mblocks) if p.stream else (ncb, p.splits, mblocks)
+    grid = (p.stream, 1, mblocks) if p.stream else (n_total // tier.cols, p.splits, mblocks)
     nvrtc.launch(f, grid, (tier.threads, 1, 1), smem, stream, [a])
     if det and p.splits > 1:
         nvrtc.launch(io.function("exl3_reduce_bf16" if bf else "exl3_reduce_f16"), (ncb, -(-m // 8), 1), (256, 1, 1), 0,

@@ -23,26 +23,44 @@ class Tier:
     ks: int      # k16 steps per pipeline stage
     stages: int  # cp.async pipeline depth
     int8: bool = False  # mul1 only: int8 activations (hi + lo rows) against the product bytes
+    wg: int = 0         # sm_90a only: warpgroups per block (64 columns each), decoded weights as wgmma A fragments
+    stream: bool = False  # has a stream-k twin ("<name>s" kernels)
 
     @property
     def threads(self) -> int:
-        return 32 * (8 // self.nt) * self.kw
+        return 128 * self.wg if self.wg else 32 * (8 // self.nt) * self.kw
+
+    @property
+    def cols(self) -> int:
+        """Output columns per block (the grid's x is n / cols)."""
+        return 64 * self.wg if self.wg else 128
 
     def smem(self, bits: float) -> int:
         w32 = 8 * int(bits) + (4 if bits != int(bits) else 0)
+        if self.wg:  # x stages (32 bytes per row and k16 step), trellis stages, 1024 bytes of alignment
+            return 1024 + max(self.stages * self.ks * (4 * self.wg * w32 * 4 + self.bm * 32), self.bm * 132 * 4)
         a_stage = self.ks * 256 if self.int8 else self.bm * (self.ks * 16 + 8) * 2
         stage = self.ks * 8 * w32 * 4 + a_stage
         return max(self.stages * stage, self.bm * 132 * 4)
 
 
-# Must match the EXL3_TIER lines of exl3_linear.cu.
+# Must match the EXL3_TIER / EXL3_WG_TIER lines of exl3_linear.cu.
 TIERS = {t.name: t for t in (
     Tier("m16", 16, 8, 8, 8, 4),
     Tier("m32", 32, 4, 4, 8, 4),
     Tier("m64", 64, 2, 4, 8, 3),
     Tier("m128", 128, 1, 2, 4, 3),
-    Tier("i8", 8, 4, 4, 8, 4, int8=True),
+    Tier("i8", 8, 4, 4, 8, 4, int8=True, stream=True),
+    Tier("w16", 16, 1, 1, 8, 4, wg=2),
+    Tier("w32", 32, 1, 1, 8, 4, wg=2, stream=True),
+    Tier("w64", 64, 1, 1, 4, 4, wg=4, stream=True),
+    Tier("w128", 128, 1, 1, 4, 4, wg=4),
+    # 128-column twins for layers whose shards are not multiples of 256 columns
+    Tier("w64n", 64, 1, 1, 4, 4, wg=2, stream=True),
+    Tier("w128n", 128, 1, 1, 4, 4, wg=2),
 )}
+# The only arch whose build has the wg tiers (wgmma is Hopper's; NVRTC targets sm_90a there).
+WG_ARCH = 90
 # Rows the int8 tier takes at most (hi and lo parts fill the 16 MMA rows).
 INT8_MAX_M = 8
 

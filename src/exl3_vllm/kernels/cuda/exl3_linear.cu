@@ -1,5 +1,6 @@
 // EXL3 GEMM and weight decode for one (K, codebook); compiled with -DEXL3_KA=.. -DEXL3_HALF=.. -DEXL3_CB=..
 #include "exl3_common.cuh"
+#include "exl3_wgmma.cuh"
 
 #ifndef EXL3_KA
 #error "EXL3_KA must be defined"
@@ -75,6 +76,56 @@ EXL3_INLINE void mma_16832_s8u8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// After the block's partial sums for rows x 128 columns are in red: the epilogue directly (ncontrib == 1), split
+// slots (mode 1), or atomics into the fp32 workspace with the last arriving block finishing.
+template <bool OUT_BF16, int NWARPS>
+__device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, float* red, const int rows,
+                                             const int row0, const int cb, const int split, const int mb,
+                                             const int ncontrib)
+{
+    __shared__ int s_last;
+    constexpr int THREADS = 32 * NWARPS;
+    const int tid = threadIdx.x;
+    const int ncol0 = cb * 128;
+    if (ncontrib == 1)
+    {
+        epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
+        return;
+    }
+    if (p.mode == 1)
+    {
+        float* dst = p.ws + (size_t)split * p.m * p.n_total;
+        for (int idx = tid; idx < rows * 32; idx += THREADS)
+        {
+            const int r = idx >> 5, c = (idx & 31) * 4;
+            *(float4*)(dst + (size_t)(row0 + r) * p.n_total + ncol0 + c) = *(const float4*)(red + r * RLD + c);
+        }
+        return;
+    }
+    for (int idx = tid; idx < rows * 128; idx += THREADS)
+    {
+        const int r = idx >> 7, c = idx & 127;
+        red_add(p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c, red[r * RLD + c]);
+    }
+    __threadfence();
+    __syncthreads();
+    int* counter = p.counters + mb * (p.n_total >> 7) + cb;
+    if (tid == 0) s_last = atomicAdd(counter, 1) == ncontrib - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int idx = tid; idx < rows * 128; idx += THREADS)
+    {
+        const int r = idx >> 7, c = idx & 127;
+        float* g = p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c;
+        red[r * RLD + c] = ld_cg(g);
+        st_cg(g, 0.f);
+    }
+    if (tid == 0) *counter = 0;
+    __syncthreads();
+    epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
+}
+
 // One (column block, k range) segment: pipelined decode + mma, fixed-order k-warp reduction, then the epilogue
 // directly (ncontrib == 1), through split slots (mode 1) or through atomics with the last arriving block finishing.
 template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8>
@@ -96,7 +147,6 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     static_assert(KS % KW == 0, "each k-warp takes whole steps of a stage");
     static_assert(!I8 || (BM == 8 && CB == 2), "the int8 path is mul1 with 8 rows");
 
-    __shared__ int s_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
     const int row0 = mb * BM;
@@ -264,49 +314,155 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         __syncthreads();
     }
 
-    const int ncol0 = cb * 128;
-    if (ncontrib == 1)
-    {
-        epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
-        return;
-    }
-    if (p.mode == 1)
-    {
-        float* dst = p.ws + (size_t)split * p.m * p.n_total;
-        for (int idx = tid; idx < rows * 32; idx += THREADS)
-        {
-            const int r = idx >> 5, c = (idx & 31) * 4;
-            *(float4*)(dst + (size_t)(row0 + r) * p.n_total + ncol0 + c) = *(const float4*)(red + r * RLD + c);
-        }
-        return;
-    }
-    for (int idx = tid; idx < rows * 128; idx += THREADS)
-    {
-        const int r = idx >> 7, c = idx & 127;
-        red_add(p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c, red[r * RLD + c]);
-    }
-    __threadfence();
-    __syncthreads();
-    int* counter = p.counters + mb * (p.n_total >> 7) + cb;
-    if (tid == 0) s_last = atomicAdd(counter, 1) == ncontrib - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    for (int idx = tid; idx < rows * 128; idx += THREADS)
-    {
-        const int r = idx >> 7, c = idx & 127;
-        float* g = p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c;
-        red[r * RLD + c] = ld_cg(g);
-        st_cg(g, 0.f);
-    }
-    if (tid == 0) *counter = 0;
-    __syncthreads();
-    epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
+    segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
 }
+
+#ifdef EXL3_WGMMA
+// Shared-memory layout of one stage of x (BN rows x KS k16 steps, K-major) as wgmma's B operand: 128-byte swizzle
+// atoms of 8 rows x 64 k (16-byte chunk c of row r at chunk c ^ (r % 8)), which keeps the tensor cores' row reads
+// free of bank conflicts; desc(i) addresses k16 step i (32 bytes further inside the atom).
+template <int BN, int KS>
+struct WgX
+{
+    static_assert(KS % 4 == 0, "the 128-byte swizzle atom is 4 k16 steps");
+    static constexpr int STAGE = KS * BN * 32;
+    // Byte offset of row r's 16-byte chunk j (k values 8j..8j+7 of the stage).
+    EXL3_INLINE static u32 offset(int r, int j) { return (j >> 3) * (BN * 128) + r * 128 + (((j & 7) ^ (r & 7)) << 4); }
+    EXL3_INLINE static u64 desc(u32 stage_addr, int i)
+    {
+        return smem_desc(stage_addr + (i >> 2) * (BN * 128) + (i & 3) * 32, 16, 1024) | (1ull << 62);
+    }
+};
+
+// Hopper segment over 64 * NWG columns: every warp decodes one 16x16 tile per k16 step straight into the A fragment
+// of W^T (output columns as MMA rows), and each warpgroup multiplies its 64 columns by all BN rows of x with one
+// asynchronous wgmma reading x from shared memory, so the tensor cores run while the warps decode the next step.
+// More warpgroups per block share each x tile among more columns (x is re-read once per column block).
+template <int BN, int NWG, int KS, int STAGES, bool OUT_BF16>
+__device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis, const u16* svh, char* smem,
+                                           const int cb, const int split, const int mb, const int step0,
+                                           const int nstages, const int ncontrib)
+{
+    constexpr int THREADS = 128 * NWG;
+    constexpr int W32 = TL::W32;
+    constexpr int NW = TL::NW;
+    constexpr int B_STEP = 4 * NWG * W32;
+    static_assert(NWG == 2 || NWG == 4, "a block covers 128 or 256 columns");
+    constexpr int B_STAGE = KS * B_STEP;
+    static_assert(BN % 8 == 0 && BN <= 128, "wgmma n is a multiple of 8, at most 128 rows here");
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int row0 = mb * BN;
+    const int rows = min(BN, p.m - row0);
+    int shard = 0;
+    #pragma unroll
+    for (int i = 0; i < 7; ++i) if (i + 1 < p.nshards && cb * (NWG / 2) >= p.shard_end[i]) shard = i + 1;
+    const u16* A = p.xh + ((size_t)shard * p.m + row0) * p.k;
+    const size_t b_row = (size_t)(p.n_total >> 4) * W32;
+    const u32* B = trellis + (size_t)step0 * b_row + (size_t)cb * 4 * NWG * W32;
+
+    // x tiles first, at a 1024-byte aligned base (the 128-byte swizzle pattern is a function of the address).
+    char* base = smem + ((1024 - (smem_addr(smem) & 1023)) & 1023);
+    u16* sA = (u16*)base;
+    u32* sB = (u32*)(base + STAGES * WgX<BN, KS>::STAGE);
+
+    auto load_stage = [&](int s, int buf) {
+        constexpr int CH = NWG * W32;
+        const u32* src = B + (size_t)s * KS * b_row;
+        const u32 dst = smem_addr(sB + buf * B_STAGE);
+        for (int c = tid; c < KS * CH; c += THREADS)
+        {
+            const int i = c / CH, j = c - i * CH;
+            cp_async16(dst + (i * B_STEP + j * 4) * 4, src + i * b_row + j * 4, 16);
+        }
+        const int kcol = (step0 + s * KS) * 16;
+        const u32 adst = smem_addr(sA) + buf * WgX<BN, KS>::STAGE;
+        for (int c = tid; c < BN * KS * 2; c += THREADS)
+        {
+            const int r = c / (KS * 2), j = c - r * (KS * 2);
+            const bool ok = r < rows;
+            cp_async16(adst + WgX<BN, KS>::offset(r, j), A + (size_t)(ok ? r : 0) * p.k + kcol + j * 8, ok ? 16 : 0);
+        }
+    };
+
+    float acc[BN / 2];
+    #pragma unroll
+    for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+
+    LaneMap<KA, HALF> lm;
+    lm.init(lane);
+
+    #pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+    {
+        if (s < nstages) load_stage(s, s);
+        cp_async_commit();
+    }
+
+    for (int s = 0; s < nstages; ++s)
+    {
+        cp_async_wait<STAGES - 2>();
+        fence_proxy_async();
+        __syncthreads();
+        const int nx = s + STAGES - 1;
+        if (nx < nstages) load_stage(nx, nx % STAGES);
+        cp_async_commit();
+        const int buf = s % STAGES;
+        const u32* bB = sB + buf * B_STAGE + warp * W32;
+        const u32 xa = smem_addr(sA) + buf * WgX<BN, KS>::STAGE;
+        // 64 accumulators leave no room for a second step's words in flight.
+        #pragma unroll (BN >= 128 ? 1 : KS)
+        for (int i = 0; i < KS; ++i)
+        {
+            u32 w[NW];
+            #pragma unroll
+            for (int q = 0; q < NW; ++q) w[q] = bB[i * B_STEP + lm.idx[q]];
+            u32 st[8], b[4];
+            lane_states<KA, HALF>(w, lm.off, st);
+            states_to_frag<CB>(st, b);
+            // The m16n8k16 B fragments of tile (k, n) are the A fragment of its transpose, registers reordered.
+            const u32 a[4] = {b[0], b[2], b[1], b[3]};
+            wgmma_fence();
+            wgmma_rs<BN>(acc, a, WgX<BN, KS>::desc(xa, i));
+            wgmma_commit();
+            // Unrolled, each step's A fragment has its own registers and one wgmma may stay in flight; a rolled loop
+            // reuses them, so it waits (ptxas does not guard A registers across a back edge).
+            if constexpr (BN >= 128) wgmma_wait<0>(); else wgmma_wait<1>();
+        }
+        // The next stage's loads overwrite the buffer these wgmmas read.
+        wgmma_wait<0>();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // One 128-column half at a time through the reduction tile: its 8 warps write, the whole block finishes it.
+    float* red = (float*)smem;
+    const int col = (warp & 7) * 16 + (lane >> 2);
+    #pragma unroll 1
+    for (int h = 0; h < NWG / 2; ++h)
+    {
+        if (h) __syncthreads();
+        if ((warp >> 3) == h)
+        {
+            #pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+            {
+                const int r = j * 8 + 2 * (lane & 3);
+                red[r * RLD + col] = acc[4 * j];
+                red[(r + 1) * RLD + col] = acc[4 * j + 1];
+                red[r * RLD + col + 8] = acc[4 * j + 2];
+                red[(r + 1) * RLD + col + 8] = acc[4 * j + 3];
+            }
+        }
+        __syncthreads();
+        segment_tail<OUT_BF16, 4 * NWG>(p, svh, red, rows, row0, cb * (NWG / 2) + h, split, mb, ncontrib);
+    }
+}
+#endif
 
 // Fixed split-k (grid = column blocks x splits x row blocks) or, as separate kernels, stream-k (grid.x = p.stream
 // blocks, block b owning units [b*U/G, (b+1)*U/G) of U = column blocks x stages).
-template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8 = false, bool STREAM = false>
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8 = false, bool STREAM = false, bool WG = false>
 __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
 {
     const int mb = blockIdx.z;
@@ -319,15 +475,26 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         trellis += (size_t)p.expert_where[2 * e + 1] * p.expert_words;
         svh += (size_t)e * p.n_total;
     }
+    auto segment = [&](int cb, int split, int step0, int nstages, int ncontrib) {
+#ifdef EXL3_WGMMA
+        if constexpr (WG)
+        {
+            wg_segment<BM, NT, KS, STAGES, OUT_BF16>(p, trellis, svh, smem, cb, split, mb, step0, nstages, ncontrib);
+            return;
+        }
+#endif
+        if constexpr (!WG)
+            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
+                                                               ncontrib);
+    };
     if constexpr (!STREAM)
     {
         const int step0 = blockIdx.y * p.steps_per_split;
-        gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, trellis, svh, smem, blockIdx.x, blockIdx.y, mb, step0,
-                                                           min(p.steps_per_split, (p.k >> 4) - step0) / KS, p.splits);
+        segment(blockIdx.x, blockIdx.y, step0, min(p.steps_per_split, (p.k >> 4) - step0) / KS, p.splits);
         return;
     }
     const int nst = (p.k >> 4) / KS;
-    const long long G = p.stream, U = (long long)(p.n_total >> 7) * nst;
+    const long long G = p.stream, U = (long long)(p.n_total / (WG ? 64 * NT : 128)) * nst;
     int u0 = (int)(blockIdx.x * U / G);
     const int u1 = (int)((blockIdx.x + 1) * U / G);
     while (u0 < u1)
@@ -336,8 +503,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         const int nstages = min(nst - s_lo, u1 - u0);
         const int first = (int)((((long long)cb * nst + 1) * G - 1) / U);
         const int last = (int)(((long long)(cb + 1) * nst * G - 1) / U);
-        gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, trellis, svh, smem, cb, 0, mb, s_lo * KS, nstages,
-                                                           last - first + 1);
+        segment(cb, 0, s_lo * KS, nstages, last - first + 1);
         u0 += nstages;
         __syncthreads();
     }
@@ -369,6 +535,32 @@ extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_i8s_f16
 { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, true, true>(p, smem); }
 extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_i8s_bf16(const GemmArgs p)
 { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, true, true>(p, smem); }
+#endif
+
+#ifdef EXL3_WGMMA
+// Hopper tiers: (rows of x per block, warpgroups per block (64 columns each), k16 steps per stage, stages); the NT
+// slot of gemm_body carries the warpgroup count.
+#define EXL3_WG_TIER(NAME, BN, NWG, KS, ST) \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 4 / NWG) exl3_gemm_##NAME##_f16(const GemmArgs p) \
+    { extern __shared__ __align__(128) char smem[]; gemm_body<BN, NWG, 1, KS, ST, false, false, false, true>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 4 / NWG) exl3_gemm_##NAME##_bf16(const GemmArgs p) \
+    { extern __shared__ __align__(128) char smem[]; gemm_body<BN, NWG, 1, KS, ST, true, false, false, true>(p, smem); }
+// Stream-k twins (the tiers whose twins fit the register budget at every K).
+#define EXL3_WG_STREAM(NAME, BN, NWG, KS, ST) \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 4 / NWG) exl3_gemm_##NAME##s_f16(const GemmArgs p) \
+    { extern __shared__ __align__(128) char smem[]; gemm_body<BN, NWG, 1, KS, ST, false, false, true, true>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, 4 / NWG) exl3_gemm_##NAME##s_bf16(const GemmArgs p) \
+    { extern __shared__ __align__(128) char smem[]; gemm_body<BN, NWG, 1, KS, ST, true, false, true, true>(p, smem); }
+
+EXL3_WG_TIER(w16, 16, 2, 8, 4)
+EXL3_WG_TIER(w32, 32, 2, 8, 4)
+EXL3_WG_TIER(w64n, 64, 2, 4, 4)
+EXL3_WG_TIER(w128n, 128, 2, 4, 4)
+EXL3_WG_TIER(w64, 64, 4, 4, 4)
+EXL3_WG_TIER(w128, 128, 4, 4, 4)
+EXL3_WG_STREAM(w32, 32, 2, 8, 4)
+EXL3_WG_STREAM(w64n, 64, 2, 4, 4)
+EXL3_WG_STREAM(w64, 64, 4, 4, 4)
 #endif
 
 // W' = W_hat[:, cols] . H_128 . diag(svh) in fp16 for the large-M path (one k16 row x 128 columns per block).

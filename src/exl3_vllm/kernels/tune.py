@@ -1,0 +1,181 @@
+"""Measured dispatch: per layer shape and row bucket, the fastest path a call may take, timed once and cached.
+
+prepare() times the candidates (the int8 tier, the Hopper wgmma tier, the mma.sync tier, dequantize + cuBLAS) on
+random data of the layer's shape at each bucket of rows up to the layer's max_m, outside any graph capture, and
+keeps the winner in memory and in a JSON file per (GPU, driver, CUDA, NVRTC, package version). A call with m rows
+uses the choice of the smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+from .nvrtc import KernelError, cache_dir, nvrtc_version
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+MAX_TUNED = BUCKETS[-1]
+# Weight copies rotate through at least this many bytes so small layers are not timed from L2.
+_ROTATE_BYTES = 192 << 20
+
+_table: dict[tuple, dict[int, str]] = {}
+_disk: dict[int, dict] = {}
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    from .op import deterministic
+    return os.environ.get("EXL3_VLLM_TUNE", "1") != "0" and not deterministic()
+
+
+def bucket(m: int) -> int:
+    return next((b for b in BUCKETS if b >= m), BUCKETS[-1])
+
+
+def layer_key(k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> str:
+    return f"{k}x{n_total}-K{bits:g}-cb{codebook}-s{'_'.join(str(s) for s in sizes)}"
+
+
+def device_key(index: int) -> str:
+    from .. import __version__
+    from .nvrtc import _driver
+    props = torch.cuda.get_device_properties(index)
+    try:
+        err, drv = _driver().cuDriverGetVersion()
+        drv = drv if int(err) == 0 else "na"
+    except Exception:  # noqa: BLE001 - a key without the driver only re-times more often
+        drv = "na"
+    nv = ".".join(str(v) for v in nvrtc_version())
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{props.name}-sm{props.major}{props.minor}-drv{drv}-"
+                                            f"cuda{torch.version.cuda}-nvrtc{nv}-exl3vllm{__version__}")
+
+
+def _path(index: int) -> Path:
+    return cache_dir().parent / "tune" / f"{device_key(index)}.json"
+
+
+def _load(index: int) -> dict:
+    if index not in _disk:
+        try:
+            _disk[index] = json.loads(_path(index).read_text())
+        except (OSError, ValueError):
+            _disk[index] = {}
+    return _disk[index]
+
+
+def _save(index: int) -> None:
+    path = _path(index)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(_disk[index], f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs re-timing at the next start
+
+
+def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Optional[str]:
+    """The measured path for m rows of this layer on device d, or None (not tuned: use the static plan)."""
+    if not enabled():
+        return None
+    t = _table.get((d.index, layer_key(k, n_total, bits, codebook, sizes)))
+    return t.get(bucket(m)) if t else None
+
+
+def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) -> list[str]:
+    """Every path worth timing for m rows: the int8 tier, the Hopper tier, the mma.sync tier, dequant."""
+    from .op import int8_ok, mma_tier, wg_enabled, wg_tier
+    out = []
+    if int8_ok(m, k, codebook, d.smem_limit):
+        out.append("i8")
+    if wg_enabled(d.arch):
+        out.append(wg_tier(m, bits, d.smem_limit, col_align).name)
+    out.append(mma_tier(m, bits, d.smem_limit).name)
+    if m >= 32:
+        out.append("dequant")
+    return out
+
+
+def _time_us(calls: list) -> float:
+    """GPU time per call: the calls captured in one CUDA graph (Python launch cost would dominate small layers)."""
+    for f in calls[:2]:
+        f()  # loads modules and grows workspace outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    ts = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / len(calls))
+    del g
+    return min(ts)
+
+
+def ensure(d, k: int, n_total: int, bits: float, codebook: int, sizes: List[int], max_m: int) -> None:
+    """Time every bucket up to max_m's bucket not yet known for this layer shape (memory, then disk, then GPU)."""
+    if not enabled() or torch.cuda.is_current_stream_capturing():
+        return
+    key = layer_key(k, n_total, bits, codebook, sizes)
+    want = [b for b in BUCKETS if b <= bucket(max(1, max_m))]
+    with _lock:
+        table = _table.setdefault((d.index, key), {})
+        disk = _load(d.index).setdefault(key, {})
+        for b in want:
+            if b not in table and str(b) in disk:
+                table[b] = disk[str(b)]
+        todo = [b for b in want if b not in table]
+        if not todo:
+            return
+        _measure(d, k, n_total, bits, codebook, sizes, todo, table)
+        disk.update({str(b): v for b, v in table.items()})
+        _save(d.index)
+
+
+def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
+    from .op import linear_cuda
+    dev = d.device
+    words = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
+    nbytes = k * n_total * words // 8
+    copies = max(1, min(4, -(-_ROTATE_BYTES // nbytes)))
+    g = torch.Generator(device=dev).manual_seed(0)
+    trs = [torch.randint(-32768, 32768, (k // 16, n_total // 16, words), dtype=torch.int16, device=dev, generator=g)
+           for _ in range(copies)]
+    suh = (torch.rand(len(sizes), k, device=dev, generator=g) + 0.5).half()
+    svh = (torch.rand(n_total, device=dev, generator=g) + 0.5).half()
+    col_align = math.gcd(*sizes)
+    try:
+        for b in todo:
+            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16, generator=g)
+            y = torch.empty(b, n_total, device=dev, dtype=torch.bfloat16)
+            best, best_t = None, float("inf")
+            for c in candidates(d, b, k, bits, codebook, col_align):
+                calls = [lambda c=c, t=trs[i % copies]: linear_cuda(x, t, suh if len(sizes) > 1 else suh[0], svh, None,
+                                                                    sizes, codebook, out=y, force=c)
+                         for i in range(10 if b <= 256 else 4)]
+                try:
+                    t = _time_us(calls)
+                except KernelError:
+                    continue
+                if t < best_t:
+                    best, best_t = c, t
+            if best is not None:
+                table[b] = best
+    finally:
+        del trs
+        torch.cuda.empty_cache()
