@@ -81,10 +81,14 @@ def main():
     ap.add_argument("--layers", default="", help="e.g. 4096x4096,8192x28672 (default: all)")
     ap.add_argument("--ms", default="", help="e.g. 1,16,64 (default: the full grid)")
     ap.add_argument("--configs", default="", help="e.g. 4:mul1,4:mcg (default: all)")
+    ap.add_argument("--no-compare", dest="compare", action="store_false",
+                    help="only the auto path (default: also the tiers/paths auto chose against)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cap = torch.cuda.get_device_capability(0)
+    arch = cap[0] * 10 + cap[1]
     bw, gemm_rate = measure_ceilings(args.reps)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s", flush=True)
 
@@ -137,9 +141,17 @@ def main():
                     base[m] = graph_time(calls, args.reps)
                 tb = base[m]
                 paths = [("auto", None)]
-                if m in (64, 128, 256, 512, 1024) and bits == 4 and cbn == "mul1":
-                    paths = [("auto", None), ("m128", "m128"), ("dequant", "dequant")]
-                if m <= 8 and cbn == "mul1":
+                if args.compare and m >= 16 and bits == 4:
+                    # The alternatives auto could have taken: the mma.sync tier, the other large-M path.
+                    auto = kop.plan_for(kop._dev(0), m, k, n, bits, cb, [n])
+                    alts = ["dequant"] if m >= 64 else []
+                    if m <= 128:
+                        alts.append(next(t for t in ("m16", "m32", "m64", "m128") if m <= kop.TIERS[t].bm))
+                    if arch == 90:
+                        alts.append(kop.wg_tier(m, bits, 227 * 1024, n).name)
+                    chosen = "dequant" if auto.path == "dequant" else auto.tier
+                    paths += [(a, a) for a in alts if a != chosen]
+                if m <= 8 and cbn == "mul1" and args.compare:
                     paths.append(("m16", "m16"))  # the fp16 tier the int8 tier replaces
                 for pname, force in paths:
                     if force:
@@ -154,7 +166,7 @@ def main():
                     nbytes = tbytes + m * k * 2 + m * n * 2
                     flops = 2 * m * k * n
                     floor = max(nbytes / bw * 2, k * n / decode_rate, flops / gemm_rate)  # bw counts read+write
-                    p = kop.plan(m, k, n, bits, sms, codebook=cb) if not force else force
+                    p = kop.plan_for(kop._dev(0), m, k, n, bits, cb, [n]) if not force else force
                     row = dict(layer=f"{k}x{n}", K=bits, cb=cbn, M=m, path=pname,
                                plan=str(p) if not force else force, ours_us=round(t_ours, 2), bf16_us=round(tb, 2),
                                speedup=round(tb / t_ours, 3), GBps=round(nbytes / t_ours / 1e3, 1),

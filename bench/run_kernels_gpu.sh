@@ -19,5 +19,5 @@ if [ "$MODE" != "tests" ]; then
   echo "bench rc=$?"
   grep -E "copy bandwidth|decode-only" "$OUT/bench.txt"
   grep -E " auto " "$OUT/bench.txt" | sed -E 's/ +/ /g'
-  grep -E " (m128|dequant) " "$OUT/bench.txt" | sed -E 's/ +/ /g' | cut -c1-80
+  grep -E " M= *[0-9]+ " "$OUT/bench.txt" | grep -v " auto " | sed -E "s/ +/ /g" | cut -c1-90
 fi
