@@ -123,6 +123,19 @@ def test_tune_buckets_and_candidates():
     assert tune.layer_key(4096, 6144, 2.5, 2, [4096, 1024, 1024]) == "4096x6144-K2.5-cb2-s4096_1024_1024"
 
 
+def test_tune_cache_file_merges_and_survives_damage(tmp_path):
+    """Two writers (tensor-parallel ranks) keep each other's layers; a damaged file reads as empty (re-timed)."""
+    from exl3_vllm.kernels import tune
+    path = tmp_path / "tune" / "gpu.json"
+    tune.merge_write(path, {"a": {"1": "i8", "16": "w16"}})
+    tune.merge_write(path, {"b": {"1": "m16"}, "a": {"32": "w32"}})
+    assert tune.read_table(path) == {"a": {"1": "i8", "16": "w16", "32": "w32"}, "b": {"1": "m16"}}
+    path.write_text("{not json")
+    assert tune.read_table(path) == {}
+    path.write_text("[1, 2]")
+    assert tune.read_table(path) == {}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fake_impl_shapes(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -62,25 +62,36 @@ def _path(index: int) -> Path:
     return cache_dir().parent / "tune" / f"{device_key(index)}.json"
 
 
-def _load(index: int) -> dict:
-    if index not in _disk:
-        try:
-            _disk[index] = json.loads(_path(index).read_text())
-        except (OSError, ValueError):
-            _disk[index] = {}
-    return _disk[index]
+def read_table(path: Path) -> dict:
+    """{layer key: {bucket: path}} from a cache file; a missing or damaged file reads as empty (re-timed)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: {str(b): str(c) for b, c in v.items()} for k, v in data.items() if isinstance(v, dict)}
 
 
-def _save(index: int) -> None:
-    path = _path(index)
+def merge_write(path: Path, entries: dict) -> None:
+    """Merge entries into the file (other processes, e.g. tensor-parallel ranks, may have written other layers)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        merged = read_table(path)
+        for k, v in entries.items():
+            merged.setdefault(k, {}).update(v)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         with os.fdopen(fd, "w") as f:
-            json.dump(_disk[index], f, indent=1, sort_keys=True)
+            json.dump(merged, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache only costs re-timing at the next start
+
+
+def _load(index: int) -> dict:
+    if index not in _disk:
+        _disk[index] = read_table(_path(index))
+    return _disk[index]
 
 
 def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Optional[str]:
@@ -144,7 +155,7 @@ def ensure(d, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
             return
         _measure(d, k, n_total, bits, codebook, sizes, todo, table)
         disk.update({str(b): v for b, v in table.items()})
-        _save(d.index)
+        merge_write(_path(d.index), {key: disk})
 
 
 def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
