@@ -98,7 +98,7 @@ def test_plan_wg_tiers(monkeypatch):
     assert kop.plan(100, 4096, 4096, 4, 132, arch=90).tier == "w128"
     assert kop.plan(100, 4096, 1152, 4, 132, arch=90).tier == "w128n"
     assert kop.plan(500, 4096, 4096, 4, 132, arch=90, force="w128").tier == "w128"
-    assert kop.plan(kop.DEFAULT_LARGE_M_WG + 1, 4096, 4096, 4, 132, arch=90).path == "dequant"
+    assert kop.plan(kop.DEFAULT_LARGE_M + 1, 4096, 4096, 4, 132, arch=90).path == "dequant"
     assert kop.plan(33, 4096, 4096, 4, 132, arch=89).tier == "m64"
     assert kop.plan(33, 4096, 4096, 4, 132, arch=100).tier == "m64"
     monkeypatch.setenv("EXL3_VLLM_WGMMA", "0")

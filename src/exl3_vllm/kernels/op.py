@@ -11,14 +11,13 @@ from typing import List, Optional
 
 import torch
 
-from . import nvrtc
+from . import nvrtc, tune
 from .nvrtc import KernelError
 from .variants import INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, TIERS, WG_ARCH, gemm_kernel_name, linear_defines
 
 # Above this many rows the static plan takes dequantize + cuBLAS (EXL3_VLLM_LARGE_M overrides); the measured
 # dispatch (tune.py) may still pick a fused tier there.
 DEFAULT_LARGE_M = 128
-DEFAULT_LARGE_M_WG = 128
 # Bytes of the fp16 weight scratch of the large-M path (EXL3_VLLM_DEQUANT_BYTES overrides).
 DEFAULT_DEQUANT_BYTES = 128 << 20
 
@@ -40,8 +39,8 @@ def wg_enabled(arch: int) -> bool:
     return arch == WG_ARCH and os.environ.get("EXL3_VLLM_WGMMA", "1") != "0"
 
 
-def _large_m(arch: int = 0) -> int:
-    return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M_WG if wg_enabled(arch) else DEFAULT_LARGE_M))
+def _large_m() -> int:
+    return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M))
 
 
 def _dequant_bytes() -> int:
@@ -96,7 +95,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     """
     col_align = col_align or n_total
     force = os.environ.get("EXL3_VLLM_TIER", "") if force is None else force
-    if force == "dequant" or (not force and m > _large_m(arch)):
+    if force == "dequant" or (not force and m > _large_m()):
         cols = max(128, (_dequant_bytes() // (2 * k)) // 128 * 128)
         return Plan("dequant", chunk=min(cols, max_shard or n_total))
     if force:
@@ -223,7 +222,6 @@ _ZERO = {"counters", "ws_atomic"}
 
 def plan_for(d: "_Device", m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Plan:
     """The plan a call on device d runs: EXL3_VLLM_TIER, else the measured choice for m's bucket, else static."""
-    from . import tune
     force = os.environ.get("EXL3_VLLM_TIER") or tune.choice(d, m, k, n_total, bits, codebook, sizes) or ""
     return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
 
@@ -235,7 +233,6 @@ def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
 
     Call once per layer at load time, before any CUDA-graph capture.
     """
-    from . import tune
     dev = torch.device(device if device is not None else "cuda")
     if dev.type != "cuda":
         return
@@ -247,7 +244,7 @@ def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
     tune.ensure(d, k, n_total, bits, codebook, sizes, max_m)
     need: dict[str, int] = {}
     # Workspace grows with m within a path, so every m up to 256 and each bucket edge covers all calls.
-    ms = sorted(set(range(1, min(max_m, max(256, _large_m(d.arch) + 1)) + 1)) |
+    ms = sorted(set(range(1, min(max_m, max(256, _large_m() + 1)) + 1)) |
                 {b for b in tune.BUCKETS if b <= max_m} | {max_m})
     for m in ms:
         p = plan_for(d, m, k, n_total, bits, codebook, sizes)

@@ -22,7 +22,6 @@ import torch
 from .nvrtc import KernelError, cache_dir, nvrtc_version
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-MAX_TUNED = BUCKETS[-1]
 # Weight copies rotate through at least this many bytes so small layers are not timed from L2.
 _ROTATE_BYTES = 192 << 20
 
@@ -116,26 +115,33 @@ def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) ->
     return out
 
 
-def _time_us(calls: list) -> float:
-    """GPU time per call: the calls captured in one CUDA graph (Python launch cost would dominate small layers)."""
-    for f in calls[:2]:
-        f()  # loads modules and grows workspace outside the capture
+def graph_time_us(calls: list, reps: int) -> float:
+    """GPU time per call in microseconds: the calls captured in one CUDA graph (Python launch cost would dominate
+    small layers), median over reps replays. The first two calls run uncaptured to load modules and grow workspace."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in calls[:2]:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for f in calls:
             f()
     g.replay()
-    ts = []
-    for _ in range(3):
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / len(calls))
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
     del g
-    return min(ts)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def ensure(d, k: int, n_total: int, bits: float, codebook: int, sizes: List[int], max_m: int) -> None:
@@ -180,7 +186,7 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
                                                                     sizes, codebook, out=y, force=c)
                          for i in range(10 if b <= 256 else 4)]
                 try:
-                    t = _time_us(calls)
+                    t = graph_time_us(calls, reps=3)
                 except KernelError:
                     continue
                 if t < best_t:

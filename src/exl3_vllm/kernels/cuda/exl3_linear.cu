@@ -65,6 +65,19 @@ __device__ __forceinline__ void epilogue_rows(const float* red, int rows, int ro
     }
 }
 
+// One pipeline stage of trellis words: KS k16 steps x TILES consecutive 16x16 tiles (contiguous within a step, steps
+// b_row words apart in global memory, TILES * W32 words apart in shared memory).
+template <int KS, int TILES, int THREADS>
+EXL3_INLINE void load_trellis_stage(const u32 dst, const u32* src, const size_t b_row, const int tid)
+{
+    constexpr int CH = TILES * TL::W32 / 4;  // 16-byte chunks per step
+    for (int c = tid; c < KS * CH; c += THREADS)
+    {
+        const int i = c / CH, j = c - i * CH;
+        cp_async16(dst + (i * TILES * TL::W32 + j * 4) * 4, src + i * b_row + j * 4, 16);
+    }
+}
+
 // mul1 as integers: w = mul1_scale * bytesum(state * mult) + mul1_offset, so x.w is an int8 x u8 MMA over the bytes.
 EXL3_INLINE float mul1_scale() { return h2f(0x1EEE); }
 EXL3_INLINE float mul1_offset() { return 1024.f * h2f(0x1EEE) + h2f(0xC931); }
@@ -163,14 +176,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     u16* sA = (u16*)(smem + STAGES * B_STAGE * 4);
 
     auto load_stage = [&](int s, int buf) {
-        constexpr int CH = 2 * W32;
-        const u32* src = B + (size_t)s * KS * b_row;
-        const u32 dst = smem_addr(sB + buf * B_STAGE);
-        for (int c = tid; c < KS * CH; c += THREADS)
-        {
-            const int i = c / CH, j = c - i * CH;
-            cp_async16(dst + (i * B_STEP + j * 4) * 4, src + i * b_row + j * 4, 16);
-        }
+        load_trellis_stage<KS, 8, THREADS>(smem_addr(sB + buf * B_STAGE), B + (size_t)s * KS * b_row, b_row, tid);
         const int kcol = (step0 + s * KS) * 16;
         const u32 adst = smem_addr(sA + buf * A_STAGE);
         if constexpr (I8)
@@ -367,14 +373,7 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
     u32* sB = (u32*)(base + STAGES * WgX<BN, KS>::STAGE);
 
     auto load_stage = [&](int s, int buf) {
-        constexpr int CH = NWG * W32;
-        const u32* src = B + (size_t)s * KS * b_row;
-        const u32 dst = smem_addr(sB + buf * B_STAGE);
-        for (int c = tid; c < KS * CH; c += THREADS)
-        {
-            const int i = c / CH, j = c - i * CH;
-            cp_async16(dst + (i * B_STEP + j * 4) * 4, src + i * b_row + j * 4, 16);
-        }
+        load_trellis_stage<KS, 4 * NWG, THREADS>(smem_addr(sB + buf * B_STAGE), B + (size_t)s * KS * b_row, b_row, tid);
         const int kcol = (step0 + s * KS) * 16;
         const u32 adst = smem_addr(sA) + buf * WgX<BN, KS>::STAGE;
         for (int c = tid; c < BN * KS * 2; c += THREADS)
