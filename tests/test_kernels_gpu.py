@@ -123,6 +123,35 @@ def test_tiers_forced(tier, monkeypatch):
     assert not fails, "\n".join(fails[:20])
 
 
+@pytest.mark.parametrize("svh_scale", [2e-3, 1.0, 800.0])
+def test_dequant_chunks_and_svh_range(svh_scale, monkeypatch):
+    """The large-M path with 256-column chunks (shards split across chunks) and svh from tiny to large, each
+    128-column group a different power of two: the per-group fp16 scale of W_hat (clamped to [2^-14, 1]) must cancel
+    exactly in the output pass."""
+    monkeypatch.setenv("EXL3_VLLM_TIER", "dequant")
+    k, sizes = 1024, [640, 384, 128]
+    monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * k * 256))
+    n = sum(sizes)
+    gen = torch.Generator(device=DEV).manual_seed(int(svh_scale * 1000))
+    worst = 0.0
+    for bits, cb in ((4, 2), (3, 1), (2, 0)):
+        trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
+        group = 2.0 ** (torch.arange(n, device=DEV) // 128 % 7 - 3)
+        svh = (svh.float() * group * svh_scale).half()
+        w64 = _dense64(trellis, suh, svh, cb, sizes)
+        for m in (40, 300):
+            for dt in DTYPES:
+                x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
+                ref = x.double() @ w64 + bias.double()
+                out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+                kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb, out=out)
+                torch.cuda.synchronize()
+                err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
+                worst = max(worst, err)
+                assert not torch.isnan(out).any() and err <= TOL + floor, (bits, cb, m, dt, err, floor)
+    _report(f"dequant 256-column chunks, svh x{svh_scale:g}: max_rel_err={worst:.3e}")
+
+
 def test_measured_dispatch(tmp_path, monkeypatch):
     """prepare() times the candidates per row bucket, keeps a valid winner per bucket, writes the disk cache, and a
     fresh process state reads the same table back; the tuned calls stay exact."""

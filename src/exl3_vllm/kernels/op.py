@@ -329,12 +329,12 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     else:
         xh = d.buf("xh", S * m * k, torch.float16)
         warps = S * m * (k // 128)
-        nvrtc.launch(io.function("exl3_input_bf16" if bf else "exl3_input_f16"), (-(-warps // 8), 1, 1), (256, 1, 1),
-                     0, stream, [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
+        nvrtc.launch(io.function("exl3_input_bf16" if bf else "exl3_input_f16"), (min(-(-warps // 8), d.sms * 8), 1, 1),
+                     (256, 1, 1), 0, stream, [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
                                  ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])
 
     if p.path == "dequant":
-        _dequant_path(d, lin, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, p.chunk)
+        _dequant_path(d, lin, io, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, p.chunk, bf)
         return y.reshape(*lead, n_total)
 
     det = deterministic()
@@ -370,33 +370,31 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     return y.reshape(*lead, n_total)
 
 
-def _dequant_path(d, lin, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, chunk):
-    """xh_s @ (W_hat . H . diag(svh)) per column chunk through cuBLAS, then bias and the output dtype."""
+def _dequant_path(d, lin, io, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, chunk, bf):
+    """Per column chunk: W_hat^T decoded without Hadamards, xh_s @ W_hat through cuBLAS (fp16), then the output
+    Hadamard, svh and bias in the output dtype: the Hadamard costs m x n instead of k x n."""
     wbuf = d.buf("wscratch", k * chunk, torch.float16)
     zbuf = d.buf("zscratch", m * chunk, torch.float16)
-    f = lin.function("exl3_decode_w")
+    dec = lin.function("exl3_decode_wt")
+    outf = io.function("exl3_output_bf16" if bf else "exl3_output_f16")
+    es = y.element_size()
     col = 0
     for s, width in enumerate(sizes):
         xs = xh[s * m * k:(s + 1) * m * k].view(m, k)
         for c0 in range(col, col + width, chunk):
             cols = min(chunk, col + width - c0)
-            w = wbuf[:k * cols].view(k, cols)
-            nvrtc.launch(f, (cols // 128, k // 16, 1), (256, 1, 1), 0, stream,
+            wt = wbuf[:cols * k].view(cols, k)
+            units = (cols // 16) * (k // 128)
+            nvrtc.launch(dec, (min(units, d.sms * 8), 1, 1), (256, 1, 1), 0, stream,
                          [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_uint64(svh.data_ptr()),
-                          ctypes.c_uint64(w.data_ptr()), ctypes.c_int32(n_total), ctypes.c_int32(c0),
-                          ctypes.c_int32(cols)])
-            if y.dtype == torch.float16 and cols == n_total:
-                if bias is None:
-                    torch.mm(xs, w, out=y)
-                else:
-                    torch.addmm(bias, xs, w, out=y)
-                continue
+                          ctypes.c_uint64(wt.data_ptr()), ctypes.c_int32(n_total), ctypes.c_int32(c0),
+                          ctypes.c_int32(cols), ctypes.c_int32(k)])
             z = zbuf[:m * cols].view(m, cols)
-            if bias is None:
-                torch.mm(xs, w, out=z)
-            else:
-                torch.addmm(bias[c0:c0 + cols], xs, w, out=z)
-            y[:, c0:c0 + cols].copy_(z)
+            torch.mm(xs, wt.t(), out=z)
+            nvrtc.launch(outf, (cols // 128, min(-(-m // 8), 64), 1), (256, 1, 1), 0, stream,
+                         [ctypes.c_uint64(z.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(cols),
+                          ctypes.c_uint64(svh.data_ptr() + 2 * c0), ctypes.c_uint64(_ptr(bias) and _ptr(bias) + 2 * c0),
+                          ctypes.c_uint64(y.data_ptr() + es * c0), ctypes.c_int32(n_total)])
         col += width
 
 

@@ -21,27 +21,28 @@ struct DenseRows
     }
 };
 
-// One warp per (shard, row, 128-column chunk): xh[s, r, :] = fp16(had128(row r of shard s)); rows that are padding
-// get zeros, rows of unused blocks are skipped (nothing reads them).
+// One warp per (shard, row, 128-column chunk), grid-strided: xh[s, r, :] = fp16(had128(row r of shard s)); rows that
+// are padding get zeros, rows of unused blocks are skipped (nothing reads them). 32-bit indices: S * m * k / 128 < 2^31.
 template <class SRC>
 __device__ __forceinline__ void input_body(const SRC& src, u16* __restrict__ xh, int m, int k, int S)
 {
     const int lane = threadIdx.x & 31;
-    const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int chunks = k >> 7;
-    const long long total = (long long)S * m * chunks;
-    if (gw >= total) return;
-    const int c = (int)(gw % chunks);
-    const long long sr = gw / chunks;
-    const int r = (int)(sr % m), s = (int)(sr / m);
-    if (!src.active(r)) return;
-    const int col = c * 128 + lane * 4;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (src.live(r)) src.load(s, r, col, lane, v);
-    uint2 o;
-    o.x = f2h(v[0]) | ((u32)f2h(v[1]) << 16);
-    o.y = f2h(v[2]) | ((u32)f2h(v[3]) << 16);
-    *(uint2*)(xh + ((size_t)s * m + r) * k + col) = o;
+    const unsigned chunks = (unsigned)k >> 7;
+    const unsigned total = (unsigned)S * (unsigned)m * chunks;
+    const unsigned nwarps = gridDim.x * (blockDim.x >> 5);
+    for (unsigned gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; gw < total; gw += nwarps)
+    {
+        const unsigned sr = gw / chunks, c = gw - sr * chunks;
+        const int r = (int)(sr % (unsigned)m), s = (int)(sr / (unsigned)m);
+        if (!src.active(r)) continue;
+        const int col = (int)c * 128 + lane * 4;
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        if (src.live(r)) src.load(s, r, col, lane, v);
+        uint2 o;
+        o.x = f2h(v[0]) | ((u32)f2h(v[1]) << 16);
+        o.y = f2h(v[2]) | ((u32)f2h(v[3]) << 16);
+        *(uint2*)(xh + ((size_t)s * m + r) * k + col) = o;
+    }
 }
 
 EXL3_INLINE float block_sum(float v, float* red, bool is_max)

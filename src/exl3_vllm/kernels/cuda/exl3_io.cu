@@ -52,3 +52,38 @@ extern "C" __global__ void __launch_bounds__(256) exl3_reduce_f16(const float* w
 { reduce_body<false>(ws, splits, m, n_total, svh, bias, out); }
 extern "C" __global__ void __launch_bounds__(256) exl3_reduce_bf16(const float* ws, int splits, int m, int n_total, const u16* svh, const u16* bias, u16* out)
 { reduce_body<true>(ws, splits, m, n_total, svh, bias, out); }
+
+// Large-M path epilogue: z [m, cols] fp16 from cuBLAS (scaled per 128-column group by exl3_decode_wt) -> Hadamard-128,
+// svh / scale, bias -> out (row stride ldo); svh, bias and out start at the chunk's first column. One warp per
+// (group, row), rows strided over grid.y.
+template <bool OUT_BF16>
+__device__ __forceinline__ void output_body(const u16* __restrict__ z, int m, int cols, const u16* __restrict__ svh,
+                                            const u16* __restrict__ bias, u16* __restrict__ out, int ldo)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int col = blockIdx.x * 128 + lane * 4;
+    const uint2 sv = *(const uint2*)(svh + col);
+    const float inv = 1.f / h2f((u16)group_scale_bits(sv));
+    const float f[4] = {h2f(sv.x & 0xffff) * inv, h2f(sv.x >> 16) * inv, h2f(sv.y & 0xffff) * inv, h2f(sv.y >> 16) * inv};
+    float b[4] = {0.f, 0.f, 0.f, 0.f};
+    if (bias)
+    {
+        const uint2 bb = *(const uint2*)(bias + col);
+        b[0] = h2f(bb.x & 0xffff); b[1] = h2f(bb.x >> 16); b[2] = h2f(bb.y & 0xffff); b[3] = h2f(bb.y >> 16);
+    }
+    for (int row = blockIdx.y * 8 + warp; row < m; row += gridDim.y * 8)
+    {
+        const uint2 a = *(const uint2*)(z + (size_t)row * cols + col);
+        float v[4] = {h2f(a.x & 0xffff), h2f(a.x >> 16), h2f(a.y & 0xffff), h2f(a.y >> 16)};
+        had128_warp(v, lane);
+        uint2 o;
+        o.x = f2st<OUT_BF16>(v[0] * f[0] + b[0]) | ((u32)f2st<OUT_BF16>(v[1] * f[1] + b[1]) << 16);
+        o.y = f2st<OUT_BF16>(v[2] * f[2] + b[2]) | ((u32)f2st<OUT_BF16>(v[3] * f[3] + b[3]) << 16);
+        *(uint2*)(out + (size_t)row * ldo + col) = o;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) exl3_output_f16(const u16* z, int m, int cols, const u16* svh, const u16* bias, u16* out, int ldo)
+{ output_body<false>(z, m, cols, svh, bias, out, ldo); }
+extern "C" __global__ void __launch_bounds__(256) exl3_output_bf16(const u16* z, int m, int cols, const u16* svh, const u16* bias, u16* out, int ldo)
+{ output_body<true>(z, m, cols, svh, bias, out, ldo); }

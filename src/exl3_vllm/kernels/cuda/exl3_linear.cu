@@ -562,45 +562,44 @@ EXL3_WG_STREAM(w64n, 64, 2, 4, 4)
 EXL3_WG_STREAM(w64, 64, 4, 4, 4)
 #endif
 
-// W' = W_hat[:, cols] . H_128 . diag(svh) in fp16 for the large-M path (one k16 row x 128 columns per block).
-extern "C" __global__ void __launch_bounds__(256) exl3_decode_w(const u32* __restrict__ trellis, const u16* __restrict__ svh,
-                                                               u16* __restrict__ wout, int n_total, int col0, int ldw)
+// Large-M path: trellis -> W_hat^T (no Hadamard) for columns col0..col0+cols, wt[c][k] fp16 with k contiguous so cuBLAS
+// reads it as the transposed operand; each 128-column group is scaled by group_scale_bits (exact: a power of two) and
+// exl3_output divides it back out. A unit is 16 columns x 128 k: one tile per warp, staged in shared memory so every
+// row leaves as 256 contiguous bytes.
+extern "C" __global__ void __launch_bounds__(256) exl3_decode_wt(const u32* __restrict__ trellis, const u16* __restrict__ svh,
+                                                                u16* __restrict__ wt, int n_total, int col0, int cols, int k)
 {
-    __shared__ __align__(16) float sw[16 * RLD];
+    constexpr int LD = 136;  // padded row (halves): 16-byte aligned rows, conflict-free fragment stores
+    __shared__ __align__(16) u16 sw[2][16 * LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tk = blockIdx.y;
-    const int bcol = col0 + blockIdx.x * 128;
-    const int tn = (bcol >> 4) + warp;
-    const u32* tw = trellis + ((size_t)tk * (n_total >> 4) + tn) * TL::W32;
+    const int kb = k >> 7;
+    const int units = (cols >> 4) * kb;
     LaneMap<KA, HALF> lm;
     lm.init(lane);
-    u32 w[TL::NW];
-    #pragma unroll
-    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
-    u32 st[8], b[4];
-    lane_states<KA, HALF>(w, lm.off, st);
-    states_to_frag<CB>(st, b);
-    #pragma unroll
-    for (int q = 0; q < 8; ++q)
+    const int g = lane >> 2, t = lane & 3;
+    int buf = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x, buf ^= 1)
     {
-        const u16 h = (q & 1) ? (u16)(b[q >> 1] >> 16) : (u16)(b[q >> 1] & 0xffff);
-        sw[perm_row(lane, q) * RLD + warp * 16 + perm_col(lane, q)] = h2f(h);
-    }
-    __syncthreads();
-    const int col = bcol + lane * 4;
-    const uint2 sv = *(const uint2*)(svh + col);
-    const float s4[4] = {h2f(sv.x & 0xffff), h2f(sv.x >> 16), h2f(sv.y & 0xffff), h2f(sv.y >> 16)};
-    #pragma unroll
-    for (int rr = 0; rr < 2; ++rr)
-    {
-        const int r = warp * 2 + rr;
-        const float4 v4 = *(const float4*)(sw + r * RLD + lane * 4);
-        float v[4] = {v4.x, v4.y, v4.z, v4.w};
-        had128_warp(v, lane);
-        uint2 o;
-        o.x = f2h(v[0] * s4[0]) | ((u32)f2h(v[1] * s4[1]) << 16);
-        o.y = f2h(v[2] * s4[2]) | ((u32)f2h(v[3] * s4[3]) << 16);
-        *(uint2*)(wout + (size_t)(tk * 16 + r) * ldw + (col - col0)) = o;
+        const int c16 = u / kb, k128 = u - c16 * kb;
+        const int col = col0 + c16 * 16;
+        const u32* tw = trellis + ((size_t)(k128 * 8 + warp) * (n_total >> 4) + (col >> 4)) * TL::W32;
+        u32 w[TL::NW];
+        #pragma unroll
+        for (int q = 0; q < TL::NW; ++q) w[q] = __ldg(tw + lm.idx[q]);
+        const u32 sb = group_scale_bits(__ldg((const uint2*)(svh + (col & ~127) + lane * 4)));
+        const u32 s2 = sb | (sb << 16);
+        u32 st[8], b[4];
+        lane_states<KA, HALF>(w, lm.off, st);
+        states_to_frag<CB>(st, b);
+        u32* sd = (u32*)(sw[buf] + warp * 16 + 2 * t);
+        // b[p] holds k rows (2t, 2t+1) + 8 (p & 1) of column g + 8 (p >> 1) (FORMAT.md 3.4): adjacent in W_hat^T
+        sd[g * (LD / 2)] = hmul2(b[0], s2);
+        sd[g * (LD / 2) + 4] = hmul2(b[1], s2);
+        sd[(g + 8) * (LD / 2)] = hmul2(b[2], s2);
+        sd[(g + 8) * (LD / 2) + 4] = hmul2(b[3], s2);
+        __syncthreads();
+        const int r = threadIdx.x >> 4, c = threadIdx.x & 15;
+        *(uint4*)(wt + (size_t)(col - col0 + r) * k + k128 * 128 + c * 8) = *(const uint4*)(sw[buf] + r * LD + c * 8);
     }
 }
 
