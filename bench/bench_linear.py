@@ -3,6 +3,11 @@
 Each point: a CUDA graph of R calls, each on a different copy of the weights (copies rotate
 through >= --pool-gb so the 60 MiB L2 never holds them), replayed --reps times; the per-call
 time is the median replay time / R.
+
+With --peer auto (the default) and exllamav3's kernels available through bench/peer/peer_ext.load()
+(EXL3_PEER_SO, .peer/lib, .peer/build, or a build from the carried source), every row also gets
+exllamav3's time for the same layer, codebook and M, on the same trellis copies, suh and svh, timed the
+same way; without them those columns read "–".
 """
 
 from __future__ import annotations
@@ -10,9 +15,11 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import glob
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -23,6 +30,12 @@ from exl3_vllm.kernels.tune import graph_time_us as graph_time  # noqa: E402  (b
 LAYERS = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]
 ALL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 CB = {"3inst": 0, "mcg": 1, "mul1": 2}
+PEER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer")
+NA = "–"
+# exllamav3 1.6.5 modules/quant/exl3.py: exl3_gemm up to this many rows, reconstruct + hgemm above
+PEER_RECON_ABOVE = 144
+PEER_FUSED_FROM = 1024  # its fused reconstruct (both Hadamards folded into the weights) from this many rows
+PEER_SLICE_N = 32768    # its MAX_RECONSTRUCT_SLICE_N
 
 
 def copies_for(nbytes, pool_gb, cap=64):
@@ -43,6 +56,60 @@ def measure_ceilings(reps):
     return bw, flops
 
 
+def load_peer(mode):
+    """exllamav3's kernels (bench/peer), or None after one line saying why."""
+    if mode == "off":
+        return None
+    try:
+        sys.path.insert(0, PEER_DIR)
+        import peer_ext
+        # with nothing under .peer/, load() would start a build that cannot succeed
+        if not (os.environ.get("EXL3_PEER_SO") or glob.glob(os.path.join(peer_ext.LIB_DIR, peer_ext.NAME + ".so*"))
+                or glob.glob(os.path.join(peer_ext.BUILD_DIR, peer_ext.NAME + "*.so")) or os.path.isdir(peer_ext.EXT_DIR)):
+            raise FileNotFoundError("no library or source under .peer/ (bench/README.md, peer harness)")
+        ext = peer_ext.load()
+    except Exception as e:  # a missing or mismatched library must not stop our own benchmark
+        print(f"exllamav3: not available ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
+              f"its columns read {NA}", flush=True)
+        return None
+    print(f"exllamav3: {ext.PEER} from {ext.__file__}", flush=True)
+    return ext
+
+
+def peer_calls(ext, x, ts, suh, svh, bits, cbn):
+    """One closure per trellis copy doing what exllamav3's LinearEXL3.forward does for x (fp16 in and out):
+    exl3_gemm with its own dispatch (int8 GEMV, fp16 GEMV or the autotuned GEMM) up to 144 rows, else
+    reconstruct + hgemm_recon. Returns (calls, path name of the first call)."""
+    m, k = x.shape
+    n = ts[0].shape[1] * 16
+    mcg, mul1 = cbn == "mcg", cbn == "mul1"
+    y = torch.empty(m, n, dtype=torch.half, device=x.device)
+    xh = torch.empty_like(x)
+    if m <= PEER_RECON_ABOVE:
+        calls = [lambda t=t: ext.exl3_gemm(x, t, y, suh, xh, svh, -1, mcg, mul1, 0) for t in ts]
+        tag = calls[0]()  # also runs exllamav3's autotune for this shape outside the graph
+        return calls, {0: "int8_gemv", 90: "gemv"}.get(tag, f"gemm{tag}")
+    fused = m >= PEER_FUSED_FROM
+    w = torch.empty(k * min(n, PEER_SLICE_N), dtype=torch.half, device=x.device)  # its per-call temporary
+
+    def call(t):
+        if not fused:
+            ext.had_r_128(x, xh, suh, None, 1.0)
+        for n0 in range(0, n, PEER_SLICE_N):
+            n1 = min(n0 + PEER_SLICE_N, n)
+            wv = w[:k * (n1 - n0)].view(k, n1 - n0)
+            if fused:
+                ext.reconstruct_had_slice(wv, t, suh, svh[n0:], float(bits), mcg, mul1, n0)
+            elif n1 - n0 == n:
+                ext.reconstruct(wv, t, float(bits), mcg, mul1)
+            else:
+                ext.reconstruct_slice(wv, t, float(bits), mcg, mul1, n0)
+            ext.hgemm_recon(x if fused else xh, wv, y[:, n0:n1])
+        if not fused:
+            ext.had_r_128(y, y, None, svh, 1.0)
+    return [lambda t=t: call(t) for t in ts], "recon_fused" if fused else "recon"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer layers, K values and M")
@@ -56,6 +123,9 @@ def main():
     ap.add_argument("--configs", default="", help="e.g. 4:mul1,4:mcg (default: all)")
     ap.add_argument("--no-compare", dest="compare", action="store_false",
                     help="only the auto path (default: also the tiers/paths auto chose against)")
+    ap.add_argument("--peer", choices=["auto", "off"], default="auto",
+                    help="auto: add exllamav3's kernels (bench/peer) where its library loads")
+    ap.add_argument("--deadline", type=float, default=0, help="unix time: stop the grid and write what is done")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -64,6 +134,14 @@ def main():
     arch = cap[0] * 10 + cap[1]
     bw, gemm_rate = measure_ceilings(args.reps)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write), bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s", flush=True)
+    peer = load_peer(args.peer)
+    stopped = []
+
+    def late():
+        if args.deadline and time.time() > args.deadline and not stopped:
+            stopped.append(time.time())
+            print(f"--deadline reached: stopping after {len(rows)} rows", flush=True)
+        return bool(stopped)
 
     configs = [(4, "mul1"), (4, "mcg"), (4, "3inst")] + [(b, "mul1") for b in (2, 3, 5, 6, 8)] + [(b, "mcg") for b in (2, 3)]
     layers = LAYERS
@@ -76,6 +154,8 @@ def main():
     sel_ms = [int(v) for v in args.ms.split(",")] if args.ms else None
     rows = []
     for (k, n) in layers:
+        if late():
+            break
         # bf16 baseline weights, rotated
         wb_bytes = k * n * 2
         nb = copies_for(wb_bytes, args.pool_gb, cap=args.calls)
@@ -85,6 +165,8 @@ def main():
             big = (k, n) == (8192, 28672)
             if (bits, cbn) not in ((4, "mul1"), (4, "mcg")) and not big:
                 continue
+            if late():
+                break
             ms = ALL_M
             if (bits, cbn) == (4, "3inst"):
                 ms = [1, 16, 64, 256, 2048]
@@ -108,11 +190,14 @@ def main():
             print(f"layer {k}x{n} K={bits} {cbn}: decode-only {td:.1f} us ({decode_rate / 1e12:.2f} Tweights/s), "
                   f"{nc} weight copies", flush=True)
             for m in ms:
+                if late():
+                    break
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 if m not in base:
                     calls = [lambda wt=wt: torch.mm(x, wt) for wt in (wbs * args.calls)[:args.calls]]
                     base[m] = graph_time(calls, args.reps)
                 tb = base[m]
+                ts = (trs * (args.calls // len(trs) + 1))[:args.calls]
                 paths = [("auto", None)]
                 if args.compare and m >= 16 and bits == 4:
                     # The alternatives auto could have taken: the mma.sync tier, the other large-M path.
@@ -131,7 +216,6 @@ def main():
                         os.environ["EXL3_VLLM_TIER"] = force
                     else:
                         os.environ.pop("EXL3_VLLM_TIER", None)
-                    ts = (trs * (args.calls // len(trs) + 1))[:args.calls]
                     calls = [lambda t=t: torch.ops.exl3.linear(x, t, suh, svh, None, [n], cb) for t in ts]
                     torch.ops.exl3.linear(x, trs[0], suh, svh, None, [n], cb)  # grow workspace outside capture
                     t_ours = graph_time(calls, args.reps)
@@ -144,15 +228,34 @@ def main():
                                plan=str(p) if not force else force, ours_us=round(t_ours, 2), bf16_us=round(tb, 2),
                                speedup=round(tb / t_ours, 3), GBps=round(nbytes / t_ours / 1e3, 1),
                                TFLOPs=round(flops / t_ours / 1e6, 2), floor_us=round(floor * 1e6, 2),
-                               pct_floor=round(100 * floor * 1e6 / t_ours, 1), decode_only_us=round(td, 2))
+                               pct_floor=round(100 * floor * 1e6 / t_ours, 1), decode_only_us=round(td, 2),
+                               exllamav3_us=NA, exllamav3_path=NA, exllamav3_speedup=NA, ours_vs_exllamav3=NA)
                     rows.append(row)
                     print(f"{row['layer']:>11} K={bits} {cbn:5s} M={m:5d} {pname:7s} ours {t_ours:9.2f} us  bf16 {tb:9.2f} us  "
                           f"x{tb / t_ours:5.2f}  floor {floor * 1e6:8.2f} us ({row['pct_floor']:5.1f}%)", flush=True)
+                if peer is not None:
+                    # exllamav3 on the same trellis copies, suh and svh, with fp16 x; after ours, so a clock
+                    # still recovering from the previous point's load would slow ours rather than exllamav3
+                    try:
+                        pcalls, ppath = peer_calls(peer, x.half(), ts, suh, svh, bits, cbn)
+                        tp = graph_time(pcalls, args.reps)
+                        del pcalls
+                        for r in rows[-len(paths):]:
+                            r.update(exllamav3_us=round(tp, 2), exllamav3_path=ppath, exllamav3_speedup=round(tb / tp, 3),
+                                     ours_vs_exllamav3=round(tp / r["ours_us"], 3))
+                        print(f"{f'{k}x{n}':>11} K={bits} {cbn:5s} M={m:5d} exllamav3 {tp:9.2f} us  bf16 {tb:9.2f} us  "
+                              f"x{tb / tp:5.2f}  ({ppath})", flush=True)
+                    except Exception as e:  # one shape exllamav3 rejects must not end the run
+                        print(f"exllamav3 failed at {k}x{n} K={bits} {cbn} M={m}: {type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0][:200]}", flush=True)
             del trs
             torch.cuda.empty_cache()
         del wbs
         torch.cuda.empty_cache()
 
+    if not rows:
+        print("no rows measured (deadline?), nothing written")
+        return
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, f"{args.tag}.csv")
     with open(csv_path, "w", newline="") as f:
@@ -171,7 +274,12 @@ def main():
                 f"- command: `python bench/bench_linear.py {' '.join(sys.argv[1:])}`\n"
                 f"- measured ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s\n"
                 f"- method: CUDA graph of {args.calls} calls on rotating weight copies (>= {args.pool_gb} GB pool or "
-                f"<= 256 copies), median of {args.reps} replays; floor = max(bytes/BW, weights/decode-only rate, flops/GEMM rate)\n\n")
+                f"<= 256 copies), median of {args.reps} replays; floor = max(bytes/BW, weights/decode-only rate, flops/GEMM rate)\n"
+                f"- exllamav3: " + (f"{peer.PEER} ({os.path.basename(peer.__file__)}), what its LinearEXL3.forward runs: "
+                                    f"exl3_gemm (own dispatch, path column) up to {PEER_RECON_ABOVE} rows, else reconstruct + "
+                                    f"hgemm_recon; fp16 x, same trellis copies / suh / svh, same graph timing; "
+                                    f"ours_vs_exllamav3 = exllamav3_us / ours_us" if peer else f"not measured ({NA})")
+                + (f"\n- stopped at the --deadline after {len(rows)} rows" if stopped else "") + "\n\n")
         keys = list(rows[0].keys())
         f.write("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n")
         for r in rows:

@@ -1,0 +1,93 @@
+"""Where the large-M path's time goes: input transform, W_hat^T decode, fp16 cuBLAS GEMM, output pass, the whole path
+and bf16 cuBLAS, each a CUDA graph of calls on rotating weight copies (the L2 never holds them)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+from exl3_vllm.kernels import nvrtc, op as kop  # noqa: E402
+from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402
+from exl3_vllm.kernels.variants import IO_SOURCE, LINEAR_SOURCE, linear_defines  # noqa: E402
+
+
+def parts(k, n, m, bits, cb, copies, reps):
+    dev = torch.device("cuda")
+    w = int(16 * bits)
+    ts = [torch.randint(-32768, 32768, (k // 16, n // 16, w), dtype=torch.int16, device=dev) for _ in range(copies)]
+    suh = (torch.randn(k, device=dev) * 0.05).half()
+    svh = (torch.randn(n, device=dev) * 0.05).half()
+    x = torch.randn(m, k, device=dev).bfloat16()
+    d = kop._dev(0)
+    kop.prepare(k, n, bits, cb, m, dev)
+    io = d.module(IO_SOURCE, None)
+    lin = d.module(LINEAR_SOURCE, linear_defines(bits, cb))
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    xh = torch.empty(m, k, dtype=torch.float16, device=dev)
+    wt = torch.empty(n, k, dtype=torch.float16, device=dev)
+    z = torch.empty(m, n, dtype=torch.float16, device=dev)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    wb = [torch.randn(k, n, device=dev).bfloat16() for _ in range(max(2, copies // 4))]
+
+    def inp():
+        warps = m * (k // 128)
+        nvrtc.launch(io.function("exl3_input_bf16"), (min(-(-warps // 8), d.sms * 8), 1, 1), (256, 1, 1), 0, stream(),
+                     [ctypes.c_uint64(x.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
+                      ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(1)])
+
+    def dec(t):
+        units = (n // 16) * (k // 128)
+        nvrtc.launch(lin.function("exl3_decode_wt"), (min(units, d.sms * 8), 1, 1), (256, 1, 1), 0, stream(),
+                     [ctypes.c_uint64(t.data_ptr()), ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(wt.data_ptr()),
+                      ctypes.c_int32(n), ctypes.c_int32(0), ctypes.c_int32(n), ctypes.c_int32(k)])
+
+    def out():
+        nvrtc.launch(io.function("exl3_output_bf16"), (n // 128, min(-(-m // 8), 64), 1), (256, 1, 1), 0, stream(),
+                     [ctypes.c_uint64(z.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(n),
+                      ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(0), ctypes.c_uint64(y.data_ptr()),
+                      ctypes.c_int32(n)])
+
+    r = {}
+    r["input"] = graph_time_us([inp] * 10, reps)
+    r["decode_wt"] = graph_time_us([lambda t=t: dec(t) for t in ts[:10]], reps)
+    r["gemm_f16"] = graph_time_us([lambda: torch.mm(xh, wt.t(), out=z)] * 5, reps)
+    r["output"] = graph_time_us([out] * 10, reps)
+    r["path"] = graph_time_us([lambda t=t: kop.linear_cuda(x, t, suh, svh, None, [n], cb, out=y, force="dequant")
+                               for t in ts[:10]], reps)
+    r["bf16"] = graph_time_us([lambda b=b: torch.mm(x, b) for b in wb], reps)
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", default="4096x4096,8192x28672,28672x8192")
+    ap.add_argument("--ms", default="256,1024,4096")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    lines = ["| layer | M | input µs | decode_wt µs | W GB/s | fp16 GEMM µs | output µs | sum µs | path µs | bf16 µs |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    print(lines[0])
+    for spec in a.layers.split(","):
+        k, n = map(int, spec.split("x"))
+        copies = max(2, min(10, (2 << 30) // (k * n // 2)))
+        for m in map(int, a.ms.split(",")):
+            r = parts(k, n, m, 4, 2, copies, a.reps)
+            s = r["input"] + r["decode_wt"] + r["gemm_f16"] + r["output"]
+            line = (f"| {k}x{n} | {m} | {r['input']:.1f} | {r['decode_wt']:.1f} | {k * n * 2 / r['decode_wt'] / 1e3:.0f} | "
+                    f"{r['gemm_f16']:.1f} | {r['output']:.1f} | {s:.1f} | {r['path']:.1f} | {r['bf16']:.1f} |")
+            lines.append(line)
+            print(line, flush=True)
+            torch.cuda.empty_cache()
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
