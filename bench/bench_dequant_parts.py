@@ -4,14 +4,13 @@ and bf16 cuBLAS, each a CUDA graph of calls on rotating weight copies (the L2 ne
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
-from exl3_vllm.kernels import nvrtc, op as kop  # noqa: E402
+from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402
 from exl3_vllm.kernels.variants import IO_SOURCE, LINEAR_SOURCE, linear_defines  # noqa: E402
 
@@ -35,22 +34,13 @@ def parts(k, n, m, bits, cb, copies, reps):
     wb = [torch.randn(k, n, device=dev).bfloat16() for _ in range(max(2, copies // 4))]
 
     def inp():
-        warps = m * (k // 128)
-        nvrtc.launch(io.function("exl3_input_bf16"), (min(-(-warps // 8), d.sms * 8), 1, 1), (256, 1, 1), 0, stream(),
-                     [ctypes.c_uint64(x.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
-                      ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(1)])
+        kop.launch_input(d, io, stream(), x, suh, xh, m, k, 1)
 
     def dec(t):
-        units = (n // 16) * (k // 128)
-        nvrtc.launch(lin.function("exl3_decode_wt"), (min(units, d.sms * 8), 1, 1), (256, 1, 1), 0, stream(),
-                     [ctypes.c_uint64(t.data_ptr()), ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(wt.data_ptr()),
-                      ctypes.c_int32(n), ctypes.c_int32(0), ctypes.c_int32(n), ctypes.c_int32(k)])
+        kop.launch_decode_wt(d, lin, stream(), t, svh, wt, n, 0, n, k)
 
     def out():
-        nvrtc.launch(io.function("exl3_output_bf16"), (n // 128, min(-(-m // 8), 64), 1), (256, 1, 1), 0, stream(),
-                     [ctypes.c_uint64(z.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(n),
-                      ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(0), ctypes.c_uint64(y.data_ptr()),
-                      ctypes.c_int32(n)])
+        kop.launch_output(io, stream(), z, svh, None, y, 0)
 
     r = {}
     r["input"] = graph_time_us([inp] * 10, reps)

@@ -328,13 +328,10 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
                       ctypes.c_int32(k)])
     else:
         xh = d.buf("xh", S * m * k, torch.float16)
-        warps = S * m * (k // 128)
-        nvrtc.launch(io.function("exl3_input_bf16" if bf else "exl3_input_f16"), (min(-(-warps // 8), d.sms * 8), 1, 1),
-                     (256, 1, 1), 0, stream, [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
-                                 ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])
+        launch_input(d, io, stream, x2, suh, xh, m, k, S)
 
     if p.path == "dequant":
-        _dequant_path(d, lin, io, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, p.chunk, bf)
+        _dequant_path(d, lin, io, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, p.chunk)
         return y.reshape(*lead, n_total)
 
     det = deterministic()
@@ -370,31 +367,49 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     return y.reshape(*lead, n_total)
 
 
-def _dequant_path(d, lin, io, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, chunk, bf):
+def launch_input(d, io, stream, x2, suh, xh, m, k, S):
+    """xh[s, r] = fp16(Hadamard-128(x[r] * suh[s])) for every shard s (one warp per 128 values, grid-strided)."""
+    warps = S * m * (k // 128)
+    nvrtc.launch(io.function("exl3_input_bf16" if x2.dtype == torch.bfloat16 else "exl3_input_f16"),
+                 (min(-(-warps // 8), d.sms * 8), 1, 1), (256, 1, 1), 0, stream,
+                 [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
+                  ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])
+
+
+def launch_decode_wt(d, lin, stream, trellis, svh, wt, n_total, c0, cols, k):
+    """wt[cols, k] = W_hat^T of columns c0..c0+cols, fp16, each 128-column group scaled by its power of two."""
+    units = (cols // 16) * (k // 128)
+    nvrtc.launch(lin.function("exl3_decode_wt"), (min(units, d.sms * 8), 1, 1), (256, 1, 1), 0, stream,
+                 [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(wt.data_ptr()),
+                  ctypes.c_int32(n_total), ctypes.c_int32(c0), ctypes.c_int32(cols), ctypes.c_int32(k)])
+
+
+def launch_output(io, stream, z, svh, bias, y, c0):
+    """y[:, c0:c0+cols] = Hadamard-128(z) * svh / scale + bias in y's dtype, for z [m, cols] from the GEMM."""
+    m, cols = z.shape
+    es = y.element_size()
+    nvrtc.launch(io.function("exl3_output_bf16" if y.dtype == torch.bfloat16 else "exl3_output_f16"),
+                 (cols // 128, min(-(-m // 8), 64), 1), (256, 1, 1), 0, stream,
+                 [ctypes.c_uint64(z.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(cols),
+                  ctypes.c_uint64(svh.data_ptr() + 2 * c0), ctypes.c_uint64(_ptr(bias) and _ptr(bias) + 2 * c0),
+                  ctypes.c_uint64(y.data_ptr() + es * c0), ctypes.c_int32(y.shape[-1])])
+
+
+def _dequant_path(d, lin, io, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, chunk):
     """Per column chunk: W_hat^T decoded without Hadamards, xh_s @ W_hat through cuBLAS (fp16), then the output
     Hadamard, svh and bias in the output dtype: the Hadamard costs m x n instead of k x n."""
     wbuf = d.buf("wscratch", k * chunk, torch.float16)
     zbuf = d.buf("zscratch", m * chunk, torch.float16)
-    dec = lin.function("exl3_decode_wt")
-    outf = io.function("exl3_output_bf16" if bf else "exl3_output_f16")
-    es = y.element_size()
     col = 0
     for s, width in enumerate(sizes):
         xs = xh[s * m * k:(s + 1) * m * k].view(m, k)
         for c0 in range(col, col + width, chunk):
             cols = min(chunk, col + width - c0)
             wt = wbuf[:cols * k].view(cols, k)
-            units = (cols // 16) * (k // 128)
-            nvrtc.launch(dec, (min(units, d.sms * 8), 1, 1), (256, 1, 1), 0, stream,
-                         [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_uint64(svh.data_ptr()),
-                          ctypes.c_uint64(wt.data_ptr()), ctypes.c_int32(n_total), ctypes.c_int32(c0),
-                          ctypes.c_int32(cols), ctypes.c_int32(k)])
+            launch_decode_wt(d, lin, stream, trellis, svh, wt, n_total, c0, cols, k)
             z = zbuf[:m * cols].view(m, cols)
             torch.mm(xs, wt.t(), out=z)
-            nvrtc.launch(outf, (cols // 128, min(-(-m // 8), 64), 1), (256, 1, 1), 0, stream,
-                         [ctypes.c_uint64(z.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(cols),
-                          ctypes.c_uint64(svh.data_ptr() + 2 * c0), ctypes.c_uint64(_ptr(bias) and _ptr(bias) + 2 * c0),
-                          ctypes.c_uint64(y.data_ptr() + es * c0), ctypes.c_int32(n_total)])
+            launch_output(io, stream, z, svh, bias, y, c0)
         col += width
 
 

@@ -15,6 +15,22 @@ EXL3_INLINE u16 f2bf(float f) { u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) :
 template <bool BF16> EXL3_INLINE float ld2f(u16 h) { return BF16 ? bf2f(h) : h2f(h); }
 template <bool BF16> EXL3_INLINE u16 f2st(float f) { return BF16 ? f2bf(f) : f2h(f); }
 
+// The 4 fp16 values at p (8 bytes) as floats.
+EXL3_INLINE void h2f4(const u16* p, float (&v)[4])
+{
+    const uint2 a = *(const uint2*)p;
+    v[0] = h2f(a.x & 0xffff); v[1] = h2f(a.x >> 16); v[2] = h2f(a.y & 0xffff); v[3] = h2f(a.y >> 16);
+}
+// v * f + b in the output dtype, 4 consecutive values at dst (8 bytes).
+template <bool BF16>
+EXL3_INLINE void store_fma4(u16* dst, const float (&v)[4], const float (&f)[4], const float (&b)[4])
+{
+    uint2 o;
+    o.x = f2st<BF16>(v[0] * f[0] + b[0]) | ((u32)f2st<BF16>(v[1] * f[1] + b[1]) << 16);
+    o.y = f2st<BF16>(v[2] * f[2] + b[2]) | ((u32)f2st<BF16>(v[3] * f[3] + b[3]) << 16);
+    *(uint2*)dst = o;
+}
+
 EXL3_INLINE u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 EXL3_INLINE void cp_async16(u32 dst, const void* src, int src_bytes)

@@ -35,17 +35,10 @@ __device__ __forceinline__ void reduce_body(const float* __restrict__ ws, int sp
         v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w;
     }
     had128_warp(v, lane);
-    const uint2 sv = *(const uint2*)(svh + col);
-    float b[4] = {0.f, 0.f, 0.f, 0.f};
-    if (bias)
-    {
-        const uint2 bb = *(const uint2*)(bias + col);
-        b[0] = h2f(bb.x & 0xffff); b[1] = h2f(bb.x >> 16); b[2] = h2f(bb.y & 0xffff); b[3] = h2f(bb.y >> 16);
-    }
-    uint2 o;
-    o.x = f2st<OUT_BF16>(v[0] * h2f(sv.x & 0xffff) + b[0]) | ((u32)f2st<OUT_BF16>(v[1] * h2f(sv.x >> 16) + b[1]) << 16);
-    o.y = f2st<OUT_BF16>(v[2] * h2f(sv.y & 0xffff) + b[2]) | ((u32)f2st<OUT_BF16>(v[3] * h2f(sv.y >> 16) + b[3]) << 16);
-    *(uint2*)(out + (size_t)row * n_total + col) = o;
+    float f[4], b[4] = {0.f, 0.f, 0.f, 0.f};
+    h2f4(svh + col, f);
+    if (bias) h2f4(bias + col, b);
+    store_fma4<OUT_BF16>(out + (size_t)row * n_total + col, v, f, b);
 }
 
 extern "C" __global__ void __launch_bounds__(256) exl3_reduce_f16(const float* ws, int splits, int m, int n_total, const u16* svh, const u16* bias, u16* out)
@@ -62,24 +55,18 @@ __device__ __forceinline__ void output_body(const u16* __restrict__ z, int m, in
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int col = blockIdx.x * 128 + lane * 4;
-    const uint2 sv = *(const uint2*)(svh + col);
-    const float inv = 1.f / h2f((u16)group_scale_bits(sv));
-    const float f[4] = {h2f(sv.x & 0xffff) * inv, h2f(sv.x >> 16) * inv, h2f(sv.y & 0xffff) * inv, h2f(sv.y >> 16) * inv};
-    float b[4] = {0.f, 0.f, 0.f, 0.f};
-    if (bias)
-    {
-        const uint2 bb = *(const uint2*)(bias + col);
-        b[0] = h2f(bb.x & 0xffff); b[1] = h2f(bb.x >> 16); b[2] = h2f(bb.y & 0xffff); b[3] = h2f(bb.y >> 16);
-    }
+    float f[4], b[4] = {0.f, 0.f, 0.f, 0.f};
+    h2f4(svh + col, f);
+    const float inv = 1.f / h2f((u16)group_scale_bits(*(const uint2*)(svh + col)));
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] *= inv;
+    if (bias) h2f4(bias + col, b);
     for (int row = blockIdx.y * 8 + warp; row < m; row += gridDim.y * 8)
     {
-        const uint2 a = *(const uint2*)(z + (size_t)row * cols + col);
-        float v[4] = {h2f(a.x & 0xffff), h2f(a.x >> 16), h2f(a.y & 0xffff), h2f(a.y >> 16)};
+        float v[4];
+        h2f4(z + (size_t)row * cols + col, v);
         had128_warp(v, lane);
-        uint2 o;
-        o.x = f2st<OUT_BF16>(v[0] * f[0] + b[0]) | ((u32)f2st<OUT_BF16>(v[1] * f[1] + b[1]) << 16);
-        o.y = f2st<OUT_BF16>(v[2] * f[2] + b[2]) | ((u32)f2st<OUT_BF16>(v[3] * f[3] + b[3]) << 16);
-        *(uint2*)(out + (size_t)row * ldo + col) = o;
+        store_fma4<OUT_BF16>(out + (size_t)row * ldo + col, v, f, b);
     }
 }
 

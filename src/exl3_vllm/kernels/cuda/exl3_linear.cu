@@ -47,11 +47,7 @@ __device__ __forceinline__ void epilogue_rows(const float* red, int rows, int ro
     const uint2 sv = *(const uint2*)(svh + col);
     const u16 s16[4] = {(u16)(sv.x & 0xffff), (u16)(sv.x >> 16), (u16)(sv.y & 0xffff), (u16)(sv.y >> 16)};
     float bs[4] = {0.f, 0.f, 0.f, 0.f};
-    if (p.bias)
-    {
-        const uint2 bb = *(const uint2*)(p.bias + col);
-        bs[0] = h2f(bb.x & 0xffff); bs[1] = h2f(bb.x >> 16); bs[2] = h2f(bb.y & 0xffff); bs[3] = h2f(bb.y >> 16);
-    }
+    if (p.bias) h2f4(p.bias + col, bs);
     for (int r = warp; r < rows; r += NWARPS)
     {
         const float4 v4 = *(const float4*)(red + r * RLD + lane * 4);
@@ -76,6 +72,34 @@ EXL3_INLINE void load_trellis_stage(const u32 dst, const u32* src, const size_t 
         const int i = c / CH, j = c - i * CH;
         cp_async16(dst + (i * TILES * TL::W32 + j * 4) * 4, src + i * b_row + j * 4, 16);
     }
+}
+
+// The cp.async ring both GEMM segments run: load(s, buf) fills stage s into buffer buf, STAGES - 1 stages ahead.
+template <int STAGES, class LOAD>
+EXL3_INLINE void ring_prologue(const LOAD& load, int nstages)
+{
+    #pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+    {
+        if (s < nstages) load(s, s);
+        cp_async_commit();
+    }
+}
+
+// Stage s has landed for the whole block (ASYNC: also for wgmma's async-proxy reads) and the load STAGES - 1 ahead is
+// issued into the buffer stage s - 1 used; returns stage s's buffer.
+template <int STAGES, bool ASYNC, class LOAD>
+EXL3_INLINE int ring_next(const LOAD& load, int s, int nstages)
+{
+    cp_async_wait<STAGES - 2>();
+#ifdef EXL3_WGMMA
+    if constexpr (ASYNC) fence_proxy_async();
+#endif
+    __syncthreads();
+    const int nx = s + STAGES - 1;
+    if (nx < nstages) load(nx, nx % STAGES);
+    cp_async_commit();
+    return s % STAGES;
 }
 
 // mul1 as integers: w = mul1_scale * bytesum(state * mult) + mul1_offset, so x.w is an int8 x u8 MMA over the bytes.
@@ -209,21 +233,10 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     LaneMap<KA, HALF> lm;
     lm.init(lane);
 
-    #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-    {
-        if (s < nstages) load_stage(s, s);
-        cp_async_commit();
-    }
-
+    ring_prologue<STAGES>(load_stage, nstages);
     for (int s = 0; s < nstages; ++s)
     {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        const int nx = s + STAGES - 1;
-        if (nx < nstages) load_stage(nx, nx % STAGES);
-        cp_async_commit();
-        const int buf = s % STAGES;
+        const int buf = ring_next<STAGES, false>(load_stage, s, nstages);
         const u32* bB = sB + buf * B_STAGE;
         const u16* bA = sA + buf * A_STAGE;
         #pragma unroll
@@ -391,22 +404,10 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
     LaneMap<KA, HALF> lm;
     lm.init(lane);
 
-    #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-    {
-        if (s < nstages) load_stage(s, s);
-        cp_async_commit();
-    }
-
+    ring_prologue<STAGES>(load_stage, nstages);
     for (int s = 0; s < nstages; ++s)
     {
-        cp_async_wait<STAGES - 2>();
-        fence_proxy_async();
-        __syncthreads();
-        const int nx = s + STAGES - 1;
-        if (nx < nstages) load_stage(nx, nx % STAGES);
-        cp_async_commit();
-        const int buf = s % STAGES;
+        const int buf = ring_next<STAGES, true>(load_stage, s, nstages);
         const u32* bB = sB + buf * B_STAGE + warp * W32;
         const u32 xa = smem_addr(sA) + buf * WgX<BN, KS>::STAGE;
         // 64 accumulators leave no room for a second step's words in flight.
