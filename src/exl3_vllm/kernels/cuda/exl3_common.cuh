@@ -58,6 +58,8 @@ EXL3_INLINE u32 funnel_r(u32 lo, u32 hi, u32 s) { u32 r; asm("shf.r.wrap.b32 %0,
 EXL3_INLINE u32 prmt(u32 a, u32 b, u32 sel) { u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r; }
 EXL3_INLINE u32 dp4a_u(u32 a, u32 b, u32 c) { u32 r; asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r; }
 EXL3_INLINE u32 hfma2(u32 a, u32 b, u32 c) { u32 r; asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r; }
+// (a & b) ^ c in one LOP3 (immLut = (0xF0 & 0xCC) ^ 0xAA); written plainly, ptxas emits an AND and an XOR.
+EXL3_INLINE u32 and_xor(u32 a, u32 b, u32 c) { u32 r; asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r; }
 EXL3_INLINE u32 hadd2(u32 a, u32 b) { u32 r; asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
 EXL3_INLINE u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
 
@@ -206,7 +208,7 @@ EXL3_INLINE void states_to_frag(const u32 (&st)[8], u32 (&b)[4])
         for (int q = 0; q < 8; ++q)
         {
             u32 v = CB == 0 ? st[q] * 89226354u + 64248484u : st[q] * 0xCBAC1FEDu;
-            x[q] = (v & 0x8FFF8FFFu) ^ 0x3B603B60u;
+            x[q] = and_xor(v, 0x8FFF8FFFu, 0x3B603B60u);
         }
         #pragma unroll
         for (int p = 0; p < 4; ++p) b[p] = hadd2(prmt(x[2 * p], x[2 * p + 1], 0x5410), prmt(x[2 * p], x[2 * p + 1], 0x7632));
