@@ -351,6 +351,9 @@ struct WgX
     {
         return smem_desc(stage_addr + (i >> 2) * (BN * 128) + (i & 3) * 32, 16, 1024) | (1ull << 62);
     }
+    // Step i's descriptor from step 0's: the start-address field is bits 0-13 (address / 16) and shared addresses stay
+    // below 2^18, so adding the step's offset / 16 cannot carry out of it (one add instead of rebuilding the fields).
+    EXL3_INLINE static u64 desc_step(u64 desc0, int i) { return desc0 + (u64)(((i >> 2) * (BN * 128) + (i & 3) * 32) >> 4); }
 };
 
 // Hopper segment over 64 * NWG columns: every warp decodes one 16x16 tile per k16 step straight into the A fragment
@@ -409,7 +412,7 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
     {
         const int buf = ring_next<STAGES, true>(load_stage, s, nstages);
         const u32* bB = sB + buf * B_STAGE + warp * W32;
-        const u32 xa = smem_addr(sA) + buf * WgX<BN, KS>::STAGE;
+        const u64 xdesc = WgX<BN, KS>::desc(smem_addr(sA) + buf * WgX<BN, KS>::STAGE, 0);
         // 64 accumulators leave no room for a second step's words in flight.
         #pragma unroll (BN >= 128 ? 1 : KS)
         for (int i = 0; i < KS; ++i)
@@ -423,7 +426,7 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
             // The m16n8k16 B fragments of tile (k, n) are the A fragment of its transpose, registers reordered.
             const u32 a[4] = {b[0], b[2], b[1], b[3]};
             wgmma_fence();
-            wgmma_rs<BN>(acc, a, WgX<BN, KS>::desc(xa, i));
+            wgmma_rs<BN>(acc, a, WgX<BN, KS>::desc_step(xdesc, i));
             wgmma_commit();
             // Unrolled, each step's A fragment has its own registers and one wgmma may stay in flight; a rolled loop
             // reuses them, so it waits (ptxas does not guard A registers across a back edge).
