@@ -125,6 +125,7 @@ def main():
                     help="only the auto path (default: also the tiers/paths auto chose against)")
     ap.add_argument("--peer", choices=["auto", "off"], default="auto",
                     help="auto: add exllamav3's kernels (bench/peer) where its library loads")
+    ap.add_argument("--tiers", default="", help="extra forced tiers per row with --compare, e.g. x64,x128,x256")
     ap.add_argument("--deadline", type=float, default=0, help="unix time: stop the grid and write what is done")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -206,9 +207,11 @@ def main():
                     if m <= 128:
                         alts.append(next(t for t in ("m16", "m32", "m64", "m128") if m <= kop.TIERS[t].bm))
                     if arch == 90:
-                        alts.append(kop.wg_tier(m, bits, 227 * 1024, n).name)
+                        if m <= 128:
+                            alts.append(kop.wg_tier(m, bits, 227 * 1024, n).name)
+                        alts += [t for t in args.tiers.split(",") if t]
                     chosen = "dequant" if auto.path == "dequant" else auto.tier
-                    paths += [(a, a) for a in alts if a != chosen]
+                    paths += [(a, a) for a in dict.fromkeys(alts) if a != chosen]
                 if m <= 8 and cbn == "mul1" and args.compare:
                     paths.append(("m16", "m16"))  # the fp16 tier the int8 tier replaces
                 for pname, force in paths:

@@ -89,11 +89,13 @@ def test_every_m_dtype_and_shards(bits, cb):
 WG_VARIANTS = [(4, 2), (4, 1), (3, 0), (2.5, 2), (8, 2), (1, 1)]
 
 
-@pytest.mark.parametrize("tier", ["w16", "w32", "w64", "w128", "w64n", "w128n", "m16", "m32", "m64", "m128", "dequant"])
+@pytest.mark.parametrize("tier", ["w16", "w32", "w64", "w128", "w64n", "w128n", "x64", "x128", "x256",
+                                  "m16", "m32", "m64", "m128", "dequant"])
 def test_tiers_forced(tier, monkeypatch):
-    """Each tier (the Hopper wgmma ones on sm_90), forced, at partial/whole/multiple row blocks, fused shards, split-k
-    and one split: the measured dispatch may pick any of them."""
-    if tier.startswith("w") and torch.cuda.get_device_capability(0) != (9, 0):
+    """Each tier (the Hopper wgmma ones on sm_90), forced, at partial/whole/multiple row blocks, fused shards, split-k,
+    stream-k (tiers with a stream twin, on a layer whose column blocks leave a partial wave) and one split: the
+    measured dispatch may pick any of them."""
+    if tier != "dequant" and kop.TIERS[tier].wg and torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip("the wg tiers are sm_90a only")
     monkeypatch.setenv("EXL3_VLLM_TIER", tier)
     bm = kop.TIERS[tier].bm if tier != "dequant" else 128
@@ -102,12 +104,17 @@ def test_tiers_forced(tier, monkeypatch):
     worst, fails = 0.0, []
     for bits, cb in WG_VARIANTS:
         wide = tier != "dequant" and kop.TIERS[tier].cols == 256
-        for k, sizes in ((512, [512]), (4096, [256, 512, 256])) if wide else ((512, [384]), (4096, [128, 256, 128])):
+        layers = [(512, [512]), (4096, [256, 512, 256])] if wide else [(512, [384]), (4096, [128, 256, 128])]
+        stream_layer = (4096, [512, 256] if wide else [384, 256])
+        if tier != "dequant" and kop.TIERS[tier].stream:
+            layers.append(stream_layer)
+        for k, sizes in layers:
             n = sum(sizes)
             trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
             w64 = _dense64(trellis, suh, svh, cb, sizes)
-            splits = kop.plan(bm, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=math.gcd(*sizes)).splits
-            assert k == 512 or tier == "dequant" or splits > 1
+            pl = kop.plan(bm, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=math.gcd(*sizes))
+            assert k == 512 or tier == "dequant" or pl.splits > 1 or pl.stream
+            assert (k, sizes) != stream_layer or pl.stream, (tier, pl)
             for m in sorted({1, 9, bm - 1, bm, bm + 1, 2 * bm + 3}):
                 for dt in DTYPES:
                     x = torch.randn(m, k, device=DEV, generator=gen).to(dt)

@@ -39,6 +39,11 @@ def wg_enabled(arch: int) -> bool:
     return arch == WG_ARCH and os.environ.get("EXL3_VLLM_WGMMA", "1") != "0"
 
 
+def ws_enabled(arch: int) -> bool:
+    """The warp-specialized Hopper tiers (decode into shared memory); EXL3_VLLM_WS=0 leaves them out of the dispatch."""
+    return wg_enabled(arch) and os.environ.get("EXL3_VLLM_WS", "1") != "0"
+
+
 def _large_m() -> int:
     return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M))
 
@@ -74,9 +79,15 @@ def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
 
 def wg_tier(m: int, bits: float, smem_limit: int, col_align: int):
     """The Hopper tier for m rows: fewest rows that hold m, then the widest block (x is re-read per column block)."""
-    wgs = [t for t in TIERS.values() if t.wg and t.smem(bits) <= smem_limit and col_align % t.cols == 0]
+    wgs = [t for t in TIERS.values() if t.wg and not t.ws and t.smem(bits) <= smem_limit and col_align % t.cols == 0]
     fit = [t for t in wgs if m <= t.bm]
     return min(fit, key=lambda t: (t.bm, -t.cols)) if fit else max(wgs, key=lambda t: (t.bm, t.cols))
+
+
+def ws_tier(m: int, bits: float, smem_limit: int):
+    """The warp-specialized Hopper tier for m rows: fewest rows that hold m (more rows run as row blocks)."""
+    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit), key=lambda t: (t.bm, -t.ws))
+    return next((t for t in fits if m <= t.bm), fits[-1]) if fits else None
 
 
 def mma_tier(m: int, bits: float, smem_limit: int):

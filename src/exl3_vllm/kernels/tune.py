@@ -102,14 +102,20 @@ def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: L
 
 
 def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) -> list[str]:
-    """Every path worth timing for m rows: the int8 tier, the Hopper tier, the mma.sync tier, dequant."""
-    from .op import int8_ok, mma_tier, wg_enabled, wg_tier
+    """Every path worth timing for m rows: the int8 tier, the Hopper tiers, the mma.sync tier, dequant (tiers of at
+    most 128 rows re-decode the weights once per row block, so above that only the 256-row tier competes)."""
+    from .op import int8_ok, mma_tier, wg_enabled, wg_tier, ws_enabled, ws_tier
     out = []
     if int8_ok(m, k, codebook, d.smem_limit):
         out.append("i8")
-    if wg_enabled(d.arch):
+    if wg_enabled(d.arch) and m <= 128:
         out.append(wg_tier(m, bits, d.smem_limit, col_align).name)
-    out.append(mma_tier(m, bits, d.smem_limit).name)
+    if ws_enabled(d.arch) and m >= 32:
+        t = ws_tier(m, bits, d.smem_limit)
+        if t is not None:
+            out.append(t.name)
+    if m <= 128:
+        out.append(mma_tier(m, bits, d.smem_limit).name)
     if m >= 32:
         out.append("dequant")
     return out

@@ -25,10 +25,11 @@ class Tier:
     int8: bool = False  # mul1 only: int8 activations (hi + lo rows) against the product bytes
     wg: int = 0         # sm_90a only: warpgroups per block (64 columns each), decoded weights as wgmma A fragments
     stream: bool = False  # has a stream-k twin ("<name>s" kernels)
+    ws: int = 0         # sm_90a warp-specialized: producer warpgroups decoding into shared memory (wg=2 consumers)
 
     @property
     def threads(self) -> int:
-        return 128 * self.wg if self.wg else 32 * (8 // self.nt) * self.kw
+        return 128 * (self.wg + self.ws) if self.wg else 32 * (8 // self.nt) * self.kw
 
     @property
     def cols(self) -> int:
@@ -37,6 +38,8 @@ class Tier:
 
     def smem(self, bits: float) -> int:
         w32 = 8 * int(bits) + (4 if bits != int(bits) else 0)
+        if self.ws:  # x, decoded A (4 KB per k16 step) and trellis stages, a 64-row reduction tile, alignment
+            return 1024 + self.stages * self.ks * (self.bm * 32 + 4096 + 32 * w32) + 64 * 132 * 4
         if self.wg:  # x stages (32 bytes per row and k16 step), trellis stages, 1024 bytes of alignment
             return 1024 + max(self.stages * self.ks * (4 * self.wg * w32 * 4 + self.bm * 32), self.bm * 132 * 4)
         a_stage = self.ks * 256 if self.int8 else self.bm * (self.ks * 16 + 8) * 2
@@ -44,7 +47,7 @@ class Tier:
         return max(self.stages * stage, self.bm * 132 * 4)
 
 
-# Must match the EXL3_TIER / EXL3_WG_TIER lines of exl3_linear.cu.
+# Must match the EXL3_TIER / EXL3_WG_TIER / EXL3_WS_TIER lines of exl3_linear.cu.
 TIERS = {t.name: t for t in (
     Tier("m16", 16, 8, 8, 8, 4),
     Tier("m32", 32, 4, 4, 8, 4),
@@ -58,6 +61,9 @@ TIERS = {t.name: t for t in (
     # 128-column twins for layers whose shards are not multiples of 256 columns
     Tier("w64n", 64, 1, 1, 4, 4, wg=2, stream=True),
     Tier("w128n", 128, 1, 1, 4, 4, wg=2),
+    Tier("x64", 64, 1, 1, 8, 3, wg=2, ws=2, stream=True),
+    Tier("x128", 128, 1, 1, 4, 4, wg=2, ws=2),
+    Tier("x256", 256, 1, 1, 4, 3, wg=2, ws=1, stream=True),
 )}
 # The only arch whose build has the wg tiers (wgmma is Hopper's; NVRTC targets sm_90a there).
 WG_ARCH = 90

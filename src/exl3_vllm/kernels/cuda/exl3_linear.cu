@@ -463,6 +463,32 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
 }
 #endif
 
+// The (column block, split, first k16 step, stages, contributors) segments this block runs: one per block for fixed
+// split-k, or under stream-k (grid.x = p.stream) the run of (column block, stage) units [b*U/G, (b+1)*U/G).
+template <int KS, bool STREAM, class F>
+EXL3_INLINE void for_each_segment(const GemmArgs& p, const int cols, const F& f)
+{
+    if constexpr (!STREAM)
+    {
+        const int step0 = blockIdx.y * p.steps_per_split;
+        f(blockIdx.x, blockIdx.y, step0, min(p.steps_per_split, (p.k >> 4) - step0) / KS, p.splits);
+        return;
+    }
+    const int nst = (p.k >> 4) / KS;
+    const long long G = p.stream, U = (long long)(p.n_total / cols) * nst;
+    int u0 = (int)(blockIdx.x * U / G);
+    const int u1 = (int)((blockIdx.x + 1) * U / G);
+    while (u0 < u1)
+    {
+        const int cb = u0 / nst, s_lo = u0 - cb * nst;
+        const int nstages = min(nst - s_lo, u1 - u0);
+        const int first = (int)((((long long)cb * nst + 1) * G - 1) / U);
+        const int last = (int)(((long long)(cb + 1) * nst * G - 1) / U);
+        f(cb, 0, s_lo * KS, nstages, last - first + 1);
+        u0 += nstages;
+    }
+}
+
 // Fixed split-k (grid = column blocks x splits x row blocks) or, as separate kernels, stream-k (grid.x = p.stream
 // blocks, block b owning units [b*U/G, (b+1)*U/G) of U = column blocks x stages).
 template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8 = false, bool STREAM = false, bool WG = false>
@@ -490,27 +516,259 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
             gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
                                                                ncontrib);
     };
-    if constexpr (!STREAM)
+    for_each_segment<KS, STREAM>(p, WG ? 64 * NT : 128, [&](int cb, int split, int step0, int nstages, int ncontrib) {
+        segment(cb, split, step0, nstages, ncontrib);
+        if constexpr (STREAM) __syncthreads();
+    });
+}
+
+#ifdef EXL3_WGMMA
+// Warp-specialized Hopper GEMM over 128-column blocks: NP producer warpgroups load x and the trellis with cp.async and
+// decode each 16x16 tile once into shared memory in wgmma's A layout; two consumer warpgroups (64 columns each) run
+// wgmma with A and x from shared memory over all BN rows, then the epilogue. Per-stage barriers replace block-wide
+// ones, so decoding runs up to STAGES stages ahead of the tensor cores, across segments too. (ptxas compiles both
+// roles under the launch's per-thread register cap, so the consumers' accumulators bound the producer count.)
+template <int BN, int NP, int KS, int STAGES>
+struct WsShape
+{
+    static constexpr int NPW = 4 * NP;                  // producer warps
+    static constexpr int UPW = 8 * KS / NPW;            // tiles per producer warp and stage: u = pw + NPW * j
+    static constexpr int THREADS = 128 * (2 + NP);
+    static constexpr int X_STAGE = WgX<BN, KS>::STAGE;
+    static constexpr int A_STEP = 4096;                 // one k16 step: two 64-column A operands of 8x(8 rows x 16 bytes)
+    static constexpr int A_STAGE = KS * A_STEP;
+    static constexpr int T_STAGE = UPW * TL::W32;       // trellis words of one producer warp's stage
+    static_assert((8 * KS) % NPW == 0, "whole tiles per producer warp");
+    static_assert(BN % 64 == 0 && BN <= 256, "wgmma n of 64, 128 or 256 rows");
+};
+
+EXL3_INLINE void consumer_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+// Consumers only (256 threads, named barrier 1): partial sums from the accumulators to split slots (mode 1), or
+// through atomics with the last contributor finishing, or straight through the reduction tile 64 rows at a time.
+template <int BN, bool OUT_BF16>
+__device__ __forceinline__ void ws_tail(const GemmArgs& p, const u16* svh, float* red, const float (&acc)[BN / 2],
+                                        const int rows, const int row0, const int cb, const int split, const int mb,
+                                        const int ncontrib)
+{
+    __shared__ int s_last;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ncol0 = cb * 128;
+    const int col = warp * 16 + (lane >> 2);
+    // acc[4j + e]: row 8j + 2(lane % 4) + (e & 1), column col + 8 (e >> 1)
+    if (ncontrib > 1)
     {
-        const int step0 = blockIdx.y * p.steps_per_split;
-        segment(blockIdx.x, blockIdx.y, step0, min(p.steps_per_split, (p.k >> 4) - step0) / KS, p.splits);
-        return;
+        float* dst = p.ws + (p.mode == 1 ? (size_t)split * p.m * p.n_total : 0);
+        #pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e)
+            {
+                const int r = j * 8 + 2 * (lane & 3) + (e & 1);
+                if (r >= rows) continue;
+                float* g = dst + (size_t)(row0 + r) * p.n_total + ncol0 + col + 8 * (e >> 1);
+                if (p.mode == 1) *g = acc[4 * j + e]; else red_add(g, acc[4 * j + e]);
+            }
+        if (p.mode == 1) return;
+        __threadfence();
+        consumer_sync();
+        int* counter = p.counters + mb * (p.n_total >> 7) + cb;
+        if (tid == 0) s_last = atomicAdd(counter, 1) == ncontrib - 1;
+        consumer_sync();
+        if (!s_last) return;
+        __threadfence();
+        if (tid == 0) *counter = 0;
     }
-    const int nst = (p.k >> 4) / KS;
-    const long long G = p.stream, U = (long long)(p.n_total / (WG ? 64 * NT : 128)) * nst;
-    int u0 = (int)(blockIdx.x * U / G);
-    const int u1 = (int)((blockIdx.x + 1) * U / G);
-    while (u0 < u1)
+    for (int r0 = 0; r0 < rows; r0 += 64)  // the reduction tile holds 64 rows (its own shared memory, see Tier.smem)
     {
-        const int cb = u0 / nst, s_lo = u0 - cb * nst;
-        const int nstages = min(nst - s_lo, u1 - u0);
-        const int first = (int)((((long long)cb * nst + 1) * G - 1) / U);
-        const int last = (int)(((long long)(cb + 1) * nst * G - 1) / U);
-        segment(cb, 0, s_lo * KS, nstages, last - first + 1);
-        u0 += nstages;
-        __syncthreads();
+        const int n = min(64, rows - r0);
+        if (ncontrib == 1)
+        {
+            #pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+            {
+                if (j * 8 < r0 || j * 8 >= r0 + 64) continue;
+                const int r = j * 8 - r0 + 2 * (lane & 3);
+                red[r * RLD + col] = acc[4 * j];
+                red[(r + 1) * RLD + col] = acc[4 * j + 1];
+                red[r * RLD + col + 8] = acc[4 * j + 2];
+                red[(r + 1) * RLD + col + 8] = acc[4 * j + 3];
+            }
+        }
+        else
+        {
+            for (int idx = tid; idx < n * 128; idx += 256)
+            {
+                const int r = idx >> 7, c = idx & 127;
+                float* g = p.ws + (size_t)(row0 + r0 + r) * p.n_total + ncol0 + c;
+                red[r * RLD + c] = ld_cg(g);
+                st_cg(g, 0.f);
+            }
+        }
+        consumer_sync();
+        epilogue_rows<OUT_BF16, 8>(red, n, row0 + r0, ncol0, p, svh);
+        consumer_sync();
     }
 }
+
+template <int BN, int NP, int KS, int STAGES, bool OUT_BF16, bool STREAM>
+__device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
+{
+    typedef WsShape<BN, NP, KS, STAGES> SH;
+    constexpr int W32 = TL::W32;
+    constexpr int NW = TL::NW;
+    __shared__ __align__(8) u64 bars[2 * STAGES];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int mb = blockIdx.z;
+    const int row0 = mb * BN;
+    const int rows = min(BN, p.m - row0);
+    const size_t b_row = (size_t)(p.n_total >> 4) * W32;
+    char* base = smem + ((1024 - (smem_addr(smem) & 1023)) & 1023);
+    const u32 sx = smem_addr(base), sa = sx + STAGES * SH::X_STAGE;
+    u32* tring = (u32*)(base + STAGES * (SH::X_STAGE + SH::A_STAGE));
+    float* red = (float*)(tring + SH::NPW * STAGES * SH::T_STAGE);
+    const u32 full = smem_addr(bars), empty = full + 8 * STAGES;
+    if (tid == 0)
+    {
+        // Arrivals per stage: each producer warp once its A tiles are stored, each lane of the warp that loads the
+        // stage's x once its copies land; each consumer warp once its wgmmas are done. (Per-warp arrivals: a barrier
+        // takes arrivals one at a time.)
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s)
+        {
+            mbar_init(full + 8 * s, SH::NPW + 32);
+            mbar_init(empty + 8 * s, 8);
+        }
+    }
+    // x rows past the block's rows stay zero in every stage buffer, so the loads skip them.
+    for (int c = tid; c < STAGES * (BN - rows) * KS * 2; c += SH::THREADS)
+    {
+        const int st = c / ((BN - rows) * KS * 2), rj = c - st * ((BN - rows) * KS * 2);
+        const int r = rows + rj / (KS * 2), j = rj % (KS * 2);
+        *(uint4*)(base + st * SH::X_STAGE + WgX<BN, KS>::offset(r, j)) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    __syncthreads();
+
+    // Stages run so far in this block (ring slot, barrier parity, whether the ring has wrapped): the roles keep the
+    // same count across segments, so the pipeline does not drain between them.
+    int buf = 0;
+    u32 phase = 0;
+    bool wrapped = false;
+    auto advance = [&]() { if (++buf == STAGES) { buf = 0; phase ^= 1; wrapped = true; } };
+    if (warp >= 8)
+    {
+        const int pw = warp - 8;
+        const u32* trp = tring + pw * STAGES * SH::T_STAGE;
+        const u32 tr = smem_addr(trp);
+        LaneMap<KA, HALF> lm;
+        lm.init(lane);
+        // Lane's row address inside a tile's four 8x8 matrices (stmatrix): matrix j = (row group j & 1, k half j >> 1).
+        const u32 lane_off = ((lane >> 3) & 1) * 256 + (lane >> 4) * 128 + (lane & 7) * 16;
+        // This lane's 16-byte trellis chunks of a stage: chunk c = lane + 32 t is word 4 (c % CH) of tile c / CH.
+        constexpr int CH = W32 / 4;
+        constexpr int NCH = (SH::UPW * CH + 31) / 32;
+        int xw = 0;  // the producer warp that loads the next stage's x
+        for_each_segment<KS, STREAM>(p, 128, [&](int cb, int, int step0, int nstages, int) {
+            int shard = 0;
+            #pragma unroll
+            for (int i = 0; i < 7; ++i) if (i + 1 < p.nshards && cb >= p.shard_end[i]) shard = i + 1;
+            const u16* X = p.xh + ((size_t)shard * p.m + row0) * p.k + step0 * 16;
+            const u32* src[NCH];
+            bool has[NCH];
+            #pragma unroll
+            for (int t = 0; t < NCH; ++t)
+            {
+                const int c = lane + 32 * t, j = c / CH, u = pw + SH::NPW * j;
+                has[t] = c < SH::UPW * CH;
+                src[t] = p.trellis + (size_t)(step0 + (u >> 3)) * b_row + ((size_t)cb * 8 + (u & 7)) * W32 + (c % CH) * 4;
+            }
+            const size_t stage_words = (size_t)KS * b_row;
+            auto load_trellis = [&](int s, int slot) {
+                #pragma unroll
+                for (int t = 0; t < NCH; ++t)
+                    if (has[t]) cp_async16(tr + (slot * SH::T_STAGE + (lane + 32 * t) * 4) * 4, src[t] + s * stage_words, 16);
+            };
+            __syncwarp();
+            #pragma unroll
+            for (int s = 0; s < STAGES - 1; ++s)
+            {
+                if (s < nstages) load_trellis(s, (buf + s) % STAGES);
+                cp_async_commit();
+            }
+            for (int s = 0; s < nstages; ++s, advance())
+            {
+                if (wrapped) mbar_wait(empty + 8 * buf, phase ^ 1);
+                // x first, by one warp in turn: its barrier arrival waits for every earlier copy of its lanes, so the
+                // trellis copies issued below for a later stage stay off this stage's path.
+                if (pw == xw)
+                {
+                    const u16* xs = X + s * KS * 16;
+                    const u32 xdst = sx + buf * SH::X_STAGE;
+                    for (int c = lane; c < rows * KS * 2; c += 32)
+                    {
+                        const int r = c / (KS * 2), j = c % (KS * 2);
+                        cp_async16(xdst + WgX<BN, KS>::offset(r, j), xs + (size_t)r * p.k + j * 8, 16);
+                    }
+                    mbar_arrive_cp_async(full + 8 * buf);
+                }
+                if (++xw == SH::NPW) xw = 0;
+                __syncwarp();  // the ring slot loaded next was read by every lane in the previous stage
+                if (s + STAGES - 1 < nstages) load_trellis(s + STAGES - 1, buf == 0 ? STAGES - 1 : buf - 1);
+                cp_async_commit();
+                cp_async_wait<STAGES - 1>();
+                __syncwarp();
+                const u32* tb = trp + buf * SH::T_STAGE;
+                const u32 adst = sa + buf * SH::A_STAGE + lane_off;
+                #pragma unroll
+                for (int j = 0; j < SH::UPW; ++j)
+                {
+                    const int u = pw + SH::NPW * j;
+                    u32 w[NW];
+                    #pragma unroll
+                    for (int q = 0; q < NW; ++q) w[q] = tb[j * W32 + lm.idx[q]];
+                    u32 st[8], b[4];
+                    lane_states<KA, HALF>(w, lm.off, st);
+                    states_to_frag<CB>(st, b);
+                    // Tile (k16 step u / 8, column tile u % 8) = rows 16 (u % 4).. of consumer (u / 4) % 2's operand.
+                    stmatrix_x4(adst + (u >> 3) * SH::A_STEP + ((u >> 2) & 1) * 2048 + (u & 3) * 512, b[0], b[2], b[1], b[3]);
+                }
+                fence_proxy_async();
+                __syncwarp();
+                if (lane == 0) mbar_arrive(full + 8 * buf);
+            }
+            cp_async_wait<0>();
+        });
+    }
+    else
+    {
+        const int c = warp >> 2;
+        for_each_segment<KS, STREAM>(p, 128, [&](int cb, int split, int, int nstages, int ncontrib) {
+            float acc[BN / 2];
+            #pragma unroll
+            for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+            for (int s = 0; s < nstages; ++s, advance())
+            {
+                mbar_wait(full + 8 * buf, phase);
+                fence_proxy_async();  // x arrived through cp.async (generic proxy); wgmma reads it through the async proxy
+                const u32 a0 = sa + buf * SH::A_STAGE + c * 2048;
+                const u64 xd = WgX<BN, KS>::desc(sx + buf * SH::X_STAGE, 0);
+                wgmma_fence();
+                #pragma unroll
+                for (int i = 0; i < KS; ++i)
+                    wgmma_ss<BN>(acc, smem_desc(a0 + i * SH::A_STEP, 128, 256), WgX<BN, KS>::desc_step(xd, i));
+                wgmma_commit();
+                // The stage goes back as soon as its wgmmas are done: its x load is the next one the producers issue.
+                wgmma_wait<0>();
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty + 8 * buf);
+            }
+            ws_tail<BN, OUT_BF16>(p, p.svh, red, acc, rows, row0, cb, split, mb, ncontrib);
+        });
+    }
+}
+#endif
 
 // Tiers: (rows per block, n16 tiles per warp, k-warps, k16 steps per stage, pipeline stages).
 #define EXL3_TIER(NAME, BM, NT, KW, KS, ST) \
@@ -564,6 +822,22 @@ EXL3_WG_TIER(w128, 128, 4, 4, 4)
 EXL3_WG_STREAM(w32, 32, 2, 8, 4)
 EXL3_WG_STREAM(w64n, 64, 2, 4, 4)
 EXL3_WG_STREAM(w64, 64, 4, 4, 4)
+
+// Warp-specialized tiers: (rows of x per block, producer warpgroups, k16 steps per stage, stages); 128 columns per
+// block, two consumer warpgroups.
+#define EXL3_WS_KERNEL(NAME, BN, NP, KS, ST, BF, STREAM) \
+    extern "C" __global__ void __launch_bounds__(128 * (2 + NP), 1) exl3_gemm_##NAME(const GemmArgs p) \
+    { extern __shared__ __align__(128) char smem[]; ws_body<BN, NP, KS, ST, BF, STREAM>(p, smem); }
+#define EXL3_WS_TIER(NAME, BN, NP, KS, ST) \
+    EXL3_WS_KERNEL(NAME##_f16, BN, NP, KS, ST, false, false) EXL3_WS_KERNEL(NAME##_bf16, BN, NP, KS, ST, true, false)
+#define EXL3_WS_STREAM(NAME, BN, NP, KS, ST) \
+    EXL3_WS_KERNEL(NAME##s_f16, BN, NP, KS, ST, false, true) EXL3_WS_KERNEL(NAME##s_bf16, BN, NP, KS, ST, true, true)
+
+EXL3_WS_TIER(x64, 64, 2, 8, 3)
+EXL3_WS_TIER(x128, 128, 2, 4, 4)
+EXL3_WS_TIER(x256, 256, 1, 4, 3)
+EXL3_WS_STREAM(x64, 64, 2, 8, 3)
+EXL3_WS_STREAM(x256, 256, 1, 4, 3)
 #endif
 
 // Large-M path: trellis -> W_hat^T (no Hadamard) for columns col0..col0+cols, wt[c][k] fp16 with k contiguous so cuBLAS
