@@ -117,10 +117,11 @@ def test_tune_buckets_and_candidates():
     hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024)
     ampere = SimpleNamespace(arch=80, smem_limit=163 * 1024)
     assert tune.candidates(hopper, 4, 4096, 4, 2, 4096) == ["i8", "w16", "m16"]
-    assert tune.candidates(hopper, 64, 4096, 4, 1, 4096) == ["w64", "x64", "m64", "dequant"]
-    assert tune.candidates(hopper, 64, 4096, 4, 1, 128) == ["w64n", "x64", "m64", "dequant"]
-    assert tune.candidates(hopper, 100, 4096, 4, 1, 128) == ["w128n", "x128", "m128", "dequant"]
-    assert tune.candidates(hopper, 256, 4096, 4, 1, 4096) == ["x256", "dequant"]
+    assert tune.candidates(hopper, 32, 4096, 4, 1, 4096) == ["w32", "x64", "m32", "dequant"]
+    assert tune.candidates(hopper, 64, 4096, 4, 1, 4096) == ["w64", "x64", "x128", "m64", "dequant"]
+    assert tune.candidates(hopper, 64, 4096, 4, 1, 128) == ["w64n", "x64", "x128", "m64", "dequant"]
+    assert tune.candidates(hopper, 100, 4096, 4, 1, 128) == ["w128n", "x64", "x128", "m128", "dequant"]
+    assert tune.candidates(hopper, 256, 4096, 4, 1, 4096) == ["x128", "x256", "dequant"]
     assert tune.candidates(hopper, 4096, 4096, 4, 1, 4096) == ["x256", "dequant"]
     assert tune.candidates(ampere, 128, 4096, 4, 1, 4096) == ["m128", "dequant"]
     assert tune.candidates(ampere, 256, 4096, 4, 1, 4096) == ["dequant"]

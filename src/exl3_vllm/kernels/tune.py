@@ -102,18 +102,20 @@ def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: L
 
 
 def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) -> list[str]:
-    """Every path worth timing for m rows: the int8 tier, the Hopper tiers, the mma.sync tier, dequant (tiers of at
-    most 128 rows re-decode the weights once per row block, so above that only the 256-row tier competes)."""
+    """Every path worth timing for m rows: the int8 tier, the Hopper tiers, the mma.sync tier, dequant (a tier
+    re-decodes the weights once per row block, so only blocks near m compete)."""
     from .op import int8_ok, mma_tier, wg_enabled, wg_tier, ws_enabled, ws_tier
+    from .variants import TIERS
     out = []
     if int8_ok(m, k, codebook, d.smem_limit):
         out.append("i8")
     if wg_enabled(d.arch) and m <= 128:
         out.append(wg_tier(m, bits, d.smem_limit, col_align).name)
     if ws_enabled(d.arch) and m >= 32:
+        # Row blocks within a factor 2 of m (a smaller block decodes twice but may pipeline better), else the largest.
+        near = [t.name for t in TIERS.values() if t.ws and m <= 2 * t.bm and t.bm <= 2 * m and t.smem(bits) <= d.smem_limit]
         t = ws_tier(m, bits, d.smem_limit)
-        if t is not None:
-            out.append(t.name)
+        out += near or ([t.name] if t is not None else [])
     if m <= 128:
         out.append(mma_tier(m, bits, d.smem_limit).name)
     if m >= 32:
