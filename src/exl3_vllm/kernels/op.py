@@ -86,7 +86,7 @@ def wg_tier(m: int, bits: float, smem_limit: int, col_align: int):
 
 def ws_tier(m: int, bits: float, smem_limit: int):
     """The warp-specialized Hopper tier for m rows: fewest rows that hold m (more rows run as row blocks)."""
-    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit), key=lambda t: (t.bm, -t.ws))
+    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit), key=lambda t: t.bm)
     return next((t for t in fits if m <= t.bm), fits[-1]) if fits else None
 
 
