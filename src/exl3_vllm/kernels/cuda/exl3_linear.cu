@@ -558,16 +558,19 @@ __device__ __forceinline__ void ws_tail(const GemmArgs& p, const u16* svh, float
     // acc[4j + e]: row 8j + 2(lane % 4) + (e & 1), column col + 8 (e >> 1)
     if (ncontrib > 1)
     {
-        float* dst = p.ws + (p.mode == 1 ? (size_t)split * p.m * p.n_total : 0);
+        // Row 2 (lane % 4) of this lane's first pair, then 8 rows further per j (pointer steps, no 64-bit products).
+        float* g = p.ws + (p.mode == 1 ? (size_t)split * p.m * p.n_total : 0)
+                 + (size_t)(row0 + 2 * (lane & 3)) * p.n_total + ncol0 + col;
+        const size_t step = (size_t)8 * p.n_total;
+        const int r0 = 2 * (lane & 3);
         #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+        for (int j = 0; j < BN / 8; ++j, g += step)
             #pragma unroll
             for (int e = 0; e < 4; ++e)
             {
-                const int r = j * 8 + 2 * (lane & 3) + (e & 1);
-                if (r >= rows) continue;
-                float* g = dst + (size_t)(row0 + r) * p.n_total + ncol0 + col + 8 * (e >> 1);
-                if (p.mode == 1) *g = acc[4 * j + e]; else red_add(g, acc[4 * j + e]);
+                if (j * 8 + r0 + (e & 1) >= rows) continue;
+                float* ge = g + (e & 1) * p.n_total + 8 * (e >> 1);
+                if (p.mode == 1) *ge = acc[4 * j + e]; else red_add(ge, acc[4 * j + e]);
             }
         if (p.mode == 1) return;
         __threadfence();
@@ -837,6 +840,7 @@ EXL3_WS_TIER(x64, 64, 2, 8, 3)
 EXL3_WS_TIER(x128, 128, 2, 4, 4)
 EXL3_WS_TIER(x256, 256, 1, 4, 3)
 EXL3_WS_STREAM(x64, 64, 2, 8, 3)
+EXL3_WS_STREAM(x128, 128, 2, 4, 4)
 EXL3_WS_STREAM(x256, 256, 1, 4, 3)
 #endif
 
