@@ -113,6 +113,37 @@ EXL3_INLINE void mma_16832_s8u8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Split-k through atomics, after this block's partial sums went into the workspace: counts its arrival at (row
+// block mb, column block cb); true for the last of ncontrib arrivals, which then resets the counter. sync is the
+// barrier of the threads that wrote.
+template <class SYNC>
+EXL3_INLINE bool last_arrival(const GemmArgs& p, const int mb, const int cb, const int ncontrib, const SYNC& sync)
+{
+    __shared__ int s_last;
+    __threadfence();
+    sync();
+    int* counter = p.counters + mb * (p.n_total >> 7) + cb;
+    if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == ncontrib - 1;
+    sync();
+    if (!s_last) return false;
+    __threadfence();
+    return true;
+}
+
+// The summed partials of rows x 128 columns from the workspace into red, leaving the workspace zero for the next call.
+template <int THREADS>
+EXL3_INLINE void take_partials(const GemmArgs& p, float* red, const int rows, const int row0, const int ncol0,
+                               const int tid)
+{
+    for (int idx = tid; idx < rows * 128; idx += THREADS)
+    {
+        const int r = idx >> 7, c = idx & 127;
+        float* g = p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c;
+        red[r * RLD + c] = ld_cg(g);
+        st_cg(g, 0.f);
+    }
+}
+
 // After the block's partial sums for rows x 128 columns are in red: the epilogue directly (ncontrib == 1), split
 // slots (mode 1), or atomics into the fp32 workspace with the last arriving block finishing.
 template <bool OUT_BF16, int NWARPS>
@@ -120,7 +151,6 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
                                              const int row0, const int cb, const int split, const int mb,
                                              const int ncontrib)
 {
-    __shared__ int s_last;
     constexpr int THREADS = 32 * NWARPS;
     const int tid = threadIdx.x;
     const int ncol0 = cb * 128;
@@ -144,21 +174,9 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
         const int r = idx >> 7, c = idx & 127;
         red_add(p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c, red[r * RLD + c]);
     }
-    __threadfence();
-    __syncthreads();
-    int* counter = p.counters + mb * (p.n_total >> 7) + cb;
-    if (tid == 0) s_last = atomicAdd(counter, 1) == ncontrib - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    for (int idx = tid; idx < rows * 128; idx += THREADS)
-    {
-        const int r = idx >> 7, c = idx & 127;
-        float* g = p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c;
-        red[r * RLD + c] = ld_cg(g);
-        st_cg(g, 0.f);
-    }
-    if (tid == 0) *counter = 0;
+    if (!last_arrival(p, mb, cb, ncontrib, [] { __syncthreads(); })) return;
+    take_partials<THREADS>(p, red, rows, row0, ncol0, tid);
+    if (tid == 0) p.counters[mb * (p.n_total >> 7) + cb] = 0;
     __syncthreads();
     epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
 }
@@ -551,7 +569,6 @@ __device__ __forceinline__ void ws_tail(const GemmArgs& p, const u16* svh, float
                                         const int rows, const int row0, const int cb, const int split, const int mb,
                                         const int ncontrib)
 {
-    __shared__ int s_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ncol0 = cb * 128;
     const int col = warp * 16 + (lane >> 2);
@@ -573,14 +590,8 @@ __device__ __forceinline__ void ws_tail(const GemmArgs& p, const u16* svh, float
                 if (p.mode == 1) *ge = acc[4 * j + e]; else red_add(ge, acc[4 * j + e]);
             }
         if (p.mode == 1) return;
-        __threadfence();
-        consumer_sync();
-        int* counter = p.counters + mb * (p.n_total >> 7) + cb;
-        if (tid == 0) s_last = atomicAdd(counter, 1) == ncontrib - 1;
-        consumer_sync();
-        if (!s_last) return;
-        __threadfence();
-        if (tid == 0) *counter = 0;
+        if (!last_arrival(p, mb, cb, ncontrib, consumer_sync)) return;
+        if (tid == 0) p.counters[mb * (p.n_total >> 7) + cb] = 0;
     }
     for (int r0 = 0; r0 < rows; r0 += 64)  // the reduction tile holds 64 rows (its own shared memory, see Tier.smem)
     {
@@ -600,13 +611,7 @@ __device__ __forceinline__ void ws_tail(const GemmArgs& p, const u16* svh, float
         }
         else
         {
-            for (int idx = tid; idx < n * 128; idx += 256)
-            {
-                const int r = idx >> 7, c = idx & 127;
-                float* g = p.ws + (size_t)(row0 + r0 + r) * p.n_total + ncol0 + c;
-                red[r * RLD + c] = ld_cg(g);
-                st_cg(g, 0.f);
-            }
+            take_partials<256>(p, red, n, row0 + r0, ncol0, tid);
         }
         consumer_sync();
         epilogue_rows<OUT_BF16, 8>(red, n, row0 + r0, ncol0, p, svh);
