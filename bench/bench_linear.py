@@ -220,7 +220,12 @@ def main():
                     else:
                         os.environ.pop("EXL3_VLLM_TIER", None)
                     calls = [lambda t=t: torch.ops.exl3.linear(x, t, suh, svh, None, [n], cb) for t in ts]
-                    torch.ops.exl3.linear(x, trs[0], suh, svh, None, [n], cb)  # grow workspace outside capture
+                    try:
+                        torch.ops.exl3.linear(x, trs[0], suh, svh, None, [n], cb)  # grow workspace outside capture
+                    except kop.KernelError as e:  # a --tiers tier this row cannot take (e.g. i16 above 16 rows)
+                        os.environ.pop("EXL3_VLLM_TIER", None)
+                        print(f"{k}x{n} M={m} {pname}: skipped ({str(e)[:80]})", flush=True)
+                        continue
                     t_ours = graph_time(calls, args.reps)
                     os.environ.pop("EXL3_VLLM_TIER", None)
                     nbytes = tbytes + m * k * 2 + m * n * 2

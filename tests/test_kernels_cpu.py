@@ -87,6 +87,29 @@ def test_plan_int8_tier(monkeypatch):
         kop.plan(1, 4096, 4096, 4, 132, codebook=1)
 
 
+def test_extra_defines_env(monkeypatch):
+    """EXL3_VLLM_EXTRA_DEFINES adds compile-time defines (own module and cache key) for A/B runs of kernel variants."""
+    from exl3_vllm.kernels.variants import linear_defines
+    assert linear_defines(4, 2) == {"EXL3_KA": 4, "EXL3_HALF": 0, "EXL3_CB": 2}
+    monkeypatch.setenv("EXL3_VLLM_EXTRA_DEFINES", "EXL3_A, EXL3_B=3")
+    assert linear_defines(4, 2) == {"EXL3_KA": 4, "EXL3_HALF": 0, "EXL3_CB": 2, "EXL3_A": 1, "EXL3_B": 3}
+
+
+def test_plan_fixed_suffix(monkeypatch):
+    """'<tier>:fixed' keeps fixed split-k where the tier would run stream-k (the dispatch times both)."""
+    from types import SimpleNamespace
+    from exl3_vllm.kernels import tune
+    p = kop.plan(128, 8192, 28672, 4, 132, codebook=2, arch=90, force="x64")
+    assert p.tier == "x64" and p.stream > 0
+    q = kop.plan(128, 8192, 28672, 4, 132, codebook=2, arch=90, force="x64:fixed")
+    assert q.tier == "x64" and q.stream == 0 and q.splits >= 1
+    hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024, sms=132)
+    assert tune.with_fixed(hopper, ["x64", "w128", "dequant"], 128, 8192, 28672, 4, 2, [28672]) == \
+        ["x64", "x64:fixed", "w128", "dequant"]
+    with pytest.raises(kop.KernelError, match="not one of"):
+        kop.plan(1, 4096, 4096, 4, 132, force="x99:fixed")
+
+
 def test_plan_wg_tiers(monkeypatch):
     """On sm_90 the wgmma tiers take 9..LARGE_M rows; other archs keep the mma.sync tiers; forcing checks the arch."""
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).tier == "i8"

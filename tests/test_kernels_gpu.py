@@ -178,7 +178,7 @@ def test_measured_dispatch(tmp_path, monkeypatch):
     table = dict(tune._table[key])
     assert sorted(table) == [b for b in tune.BUCKETS if b <= 512], table
     for b, c in table.items():
-        assert c in tune.candidates(d, b, k, 4, 2, math.gcd(*sizes)), (b, c)
+        assert c in tune.with_fixed(d, tune.candidates(d, b, k, 4, 2, math.gcd(*sizes)), b, k, n, 4, 2, sizes), (b, c)
     files = list((tmp_path / "tune").glob("*.json"))
     assert len(files) == 1
     tune._table.pop(key)

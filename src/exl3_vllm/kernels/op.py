@@ -102,10 +102,13 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     """How one call runs: tier and split-k factor, or the dequant path with its chunk width.
 
     col_align: the gcd of the shard widths (a block's columns must lie in one shard); default n_total.
-    force: a tier name or "dequant" (default: EXL3_VLLM_TIER, else the static choice below).
+    force: a tier name or "dequant" (default: EXL3_VLLM_TIER, else the static choice below); "<tier>:fixed" keeps
+    fixed split-k where that tier would run stream-k.
     """
     col_align = col_align or n_total
     force = os.environ.get("EXL3_VLLM_TIER", "") if force is None else force
+    fixed = force.endswith(":fixed")
+    force = force[:-len(":fixed")] if fixed else force
     if force == "dequant" or (not force and m > _large_m()):
         cols = max(128, (_dequant_bytes() // (2 * k)) // 128 * 128)
         return Plan("dequant", chunk=min(cols, max_shard or n_total))
@@ -141,7 +144,8 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     splits = -(-ktiles // steps)
     blocks = base * splits
     fill = blocks / (-(-blocks // slots) * slots)
-    if tier.stream and fill < 0.9 and not fs and not deterministic() and os.environ.get("EXL3_VLLM_STREAMK", "1") != "0":
+    if (tier.stream and fill < 0.9 and not fs and not fixed and not deterministic()
+            and os.environ.get("EXL3_VLLM_STREAMK", "1") != "0"):
         # A partial last wave (224 column blocks x 2 splits on 264 slots: 85%) idles SMs; stream-k gives every
         # resident block the same number of (column block, stage) units instead.
         units = (n_total // tier.cols) * (ktiles // tier.ks)

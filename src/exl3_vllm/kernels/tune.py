@@ -123,6 +123,20 @@ def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) ->
     return out
 
 
+def with_fixed(d, cands: list[str], m: int, k: int, n_total: int, bits: float, codebook: int,
+               sizes: List[int]) -> list[str]:
+    """Each tier that would run stream-k here, also with fixed split-k ("<tier>:fixed"): which is faster depends on
+    the layer (stream-k's partial column blocks go through the fp32 workspace)."""
+    from .op import plan
+    out = []
+    for c in cands:
+        out.append(c)
+        if c != "dequant" and plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch,
+                                   math.gcd(*sizes), c).stream:
+            out.append(c + ":fixed")
+    return out
+
+
 def graph_time_us(calls: list, reps: int) -> float:
     """GPU time per call in microseconds: the calls captured in one CUDA graph (Python launch cost would dominate
     small layers), median over reps replays. The first two calls run uncaptured to load modules and grow workspace."""
@@ -189,7 +203,7 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16, generator=g)
             y = torch.empty(b, n_total, device=dev, dtype=torch.bfloat16)
             best, best_t = None, float("inf")
-            for c in candidates(d, b, k, bits, codebook, col_align):
+            for c in with_fixed(d, candidates(d, b, k, bits, codebook, col_align), b, k, n_total, bits, codebook, sizes):
                 calls = [lambda c=c, t=trs[i % copies]: linear_cuda(x, t, suh if len(sizes) > 1 else suh[0], svh, None,
                                                                     sizes, codebook, out=y, force=c)
                          for i in range(10 if b <= 256 else 4)]

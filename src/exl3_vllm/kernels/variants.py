@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 IO_SOURCE = "exl3_io.cu"
@@ -85,7 +86,13 @@ def linear_defines(bits: float, codebook: int) -> dict:
     if not valid(bits, codebook):
         raise ValueError(f"no EXL3 kernel for K={bits} with codebook {CODEBOOKS.get(codebook, codebook)}: "
                          "half-integer K exists only for mul1, K must be 1..8 or 1.5/2.5/3.5")
-    return {"EXL3_KA": int(bits), "EXL3_HALF": int(bits != int(bits)), "EXL3_CB": int(codebook)}
+    d = {"EXL3_KA": int(bits), "EXL3_HALF": int(bits != int(bits)), "EXL3_CB": int(codebook)}
+    # Development A/B of compile-time kernel variants in one process: "NAME=1,OTHER=2" (its own cache key).
+    extra = os.environ.get("EXL3_VLLM_EXTRA_DEFINES", "")
+    for item in filter(None, (s.strip() for s in extra.split(","))):
+        name, _, value = item.partition("=")
+        d[name.strip()] = int(value or 1)
+    return d
 
 
 def all_modules() -> list[tuple[str, dict]]:

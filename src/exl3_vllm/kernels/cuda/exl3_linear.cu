@@ -431,13 +431,17 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
         const int buf = ring_next<STAGES, true>(load_stage, s, nstages);
         const u32* bB = sB + buf * B_STAGE + warp * W32;
         const u64 xdesc = WgX<BN, KS>::desc(smem_addr(sA) + buf * WgX<BN, KS>::STAGE, 0);
-        // 64 accumulators leave no room for a second step's words in flight.
+        u32 w[NW];
+        #pragma unroll
+        for (int q = 0; q < NW; ++q) w[q] = bB[lm.idx[q]];
+        // 64 accumulators leave no room for a second step's fragments in flight.
         #pragma unroll (BN >= 128 ? 1 : KS)
         for (int i = 0; i < KS; ++i)
         {
-            u32 w[NW];
+            // The next step's words before the wgmma fences (asm with memory clobbers that loads cannot cross).
+            u32 wn[NW];
             #pragma unroll
-            for (int q = 0; q < NW; ++q) w[q] = bB[i * B_STEP + lm.idx[q]];
+            for (int q = 0; q < NW; ++q) wn[q] = bB[min(i + 1, KS - 1) * B_STEP + lm.idx[q]];
             u32 st[8], b[4];
             lane_states<KA, HALF>(w, lm.off, st);
             states_to_frag<CB>(st, b);
@@ -449,6 +453,8 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
             // Unrolled, each step's A fragment has its own registers and one wgmma may stay in flight; a rolled loop
             // reuses them, so it waits (ptxas does not guard A registers across a back edge).
             if constexpr (BN >= 128) wgmma_wait<0>(); else wgmma_wait<1>();
+            #pragma unroll
+            for (int q = 0; q < NW; ++q) w[q] = wn[q];
         }
         // The next stage's loads overwrite the buffer these wgmmas read.
         wgmma_wait<0>();
@@ -729,18 +735,25 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 __syncwarp();
                 const u32* tb = trp + buf * SH::T_STAGE;
                 const u32 adst = sa + buf * SH::A_STAGE + lane_off;
+                u32 w[NW];
+                #pragma unroll
+                for (int q = 0; q < NW; ++q) w[q] = tb[lm.idx[q]];
                 #pragma unroll
                 for (int j = 0; j < SH::UPW; ++j)
                 {
                     const int u = pw + SH::NPW * j;
-                    u32 w[NW];
+                    // The next tile's words now: loads cannot move past stmatrix (an asm with a memory clobber), so
+                    // without this every tile would wait out a shared-memory load latency.
+                    u32 wn[NW];
                     #pragma unroll
-                    for (int q = 0; q < NW; ++q) w[q] = tb[j * W32 + lm.idx[q]];
+                    for (int q = 0; q < NW; ++q) wn[q] = j + 1 < SH::UPW ? tb[(j + 1) * W32 + lm.idx[q]] : 0u;
                     u32 st[8], b[4];
                     lane_states<KA, HALF>(w, lm.off, st);
                     states_to_frag<CB>(st, b);
                     // Tile (k16 step u / 8, column tile u % 8) = rows 16 (u % 4).. of consumer (u / 4) % 2's operand.
                     stmatrix_x4(adst + (u >> 3) * SH::A_STEP + ((u >> 2) & 1) * 2048 + (u & 3) * 512, b[0], b[2], b[1], b[3]);
+                    #pragma unroll
+                    for (int q = 0; q < NW; ++q) w[q] = wn[q];
                 }
                 fence_proxy_async();
                 __syncwarp();
@@ -760,12 +773,12 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
             {
                 mbar_wait(full + 8 * buf, phase);
                 fence_proxy_async();  // x arrived through cp.async (generic proxy); wgmma reads it through the async proxy
-                const u32 a0 = sa + buf * SH::A_STAGE + c * 2048;
+                const u64 ad = smem_desc(sa + buf * SH::A_STAGE + c * 2048, 128, 256);
                 const u64 xd = WgX<BN, KS>::desc(sx + buf * SH::X_STAGE, 0);
                 wgmma_fence();
                 #pragma unroll
-                for (int i = 0; i < KS; ++i)
-                    wgmma_ss<BN>(acc, smem_desc(a0 + i * SH::A_STEP, 128, 256), WgX<BN, KS>::desc_step(xd, i));
+                for (int i = 0; i < KS; ++i)  // step i's A is A_STEP bytes further: one add to the start-address field
+                    wgmma_ss<BN>(acc, ad + (u64)((i * SH::A_STEP) >> 4), WgX<BN, KS>::desc_step(xd, i));
                 wgmma_commit();
                 // The stage goes back as soon as its wgmmas are done: its x load is the next one the producers issue.
                 wgmma_wait<0>();
