@@ -61,18 +61,90 @@ __device__ __forceinline__ void epilogue_rows(const float* red, int rows, int ro
     }
 }
 
-// One pipeline stage of trellis words: KS k16 steps x TILES consecutive 16x16 tiles (contiguous within a step, steps
-// b_row words apart in global memory, TILES * W32 words apart in shared memory).
+// This thread's share of every stage's trellis copies: KS k16 steps x TILES consecutive 16x16 tiles (contiguous
+// within a step, steps b_row words apart in global memory, TILES * W32 words apart in shared memory). The chunks a
+// thread copies are the same in every stage, so their addresses are worked out once per segment, not per stage.
 template <int KS, int TILES, int THREADS>
-EXL3_INLINE void load_trellis_stage(const u32 dst, const u32* src, const size_t b_row, const int tid)
+struct TrellisCopy
 {
-    constexpr int CH = TILES * TL::W32 / 4;  // 16-byte chunks per step
-    for (int c = tid; c < KS * CH; c += THREADS)
+    static constexpr int CH = TILES * TL::W32 / 4;  // 16-byte chunks per step
+    static constexpr int N = (KS * CH + THREADS - 1) / THREADS;
+    u32 src[N], dst[N];  // word offset from the stage's first word (32 bits: KS rows of a layer), shared-memory bytes
+    int n;               // chunks this thread copies (N, or fewer when THREADS does not divide the stage)
+    EXL3_INLINE void init(const size_t b_row, const int tid)
     {
-        const int i = c / CH, j = c - i * CH;
-        cp_async16(dst + (i * TILES * TL::W32 + j * 4) * 4, src + i * b_row + j * 4, 16);
+        n = 0;
+        #pragma unroll
+        for (int t = 0; t < N; ++t)
+        {
+            const int c = tid + t * THREADS, i = c / CH, j = c - i * CH;
+            src[t] = (u32)(i * b_row) + j * 4;
+            dst[t] = (i * TILES * TL::W32 + j * 4) * 4;
+            n += c < KS * CH;
+        }
     }
-}
+    // The stage whose first word is at g into shared memory at sdst.
+    EXL3_INLINE void issue(const u32 sdst, const u32* g) const
+    {
+        #pragma unroll
+        for (int t = 0; t < N; ++t)
+            if (N * THREADS == KS * CH || t < n) cp_async16(sdst + dst[t], g + src[t], 16);
+    }
+    // The same copies with the offsets worked out on the spot (tiers with no registers to keep them in).
+    EXL3_INLINE static void issue_computed(const u32 sdst, const u32* g, const size_t b_row, const int tid)
+    {
+        for (int c = tid; c < KS * CH; c += THREADS)
+        {
+            const int i = c / CH, j = c - i * CH;
+            cp_async16(sdst + (i * TILES * TL::W32 + j * 4) * 4, g + i * b_row + j * 4, 16);
+        }
+    }
+};
+
+// This thread's share of every stage's x copies: rows x KS k16 steps as 16-byte chunks (rows past `rows` read
+// nothing and land as zeros); off(r, j) places chunk j of row r in the stage. Fixed per segment like TrellisCopy.
+template <int ROWS, int KS, int THREADS, class OFF>
+struct XCopy
+{
+    static constexpr int TOTAL = ROWS * KS * 2;
+    static constexpr int N = (TOTAL + THREADS - 1) / THREADS;
+    u32 src[N], dst[N];  // element offset from the block's first row (32 bits: ROWS rows of x), shared-memory bytes
+    int n, live;         // chunks this thread copies; bit t set: chunk t is a real row
+    EXL3_INLINE void init(const int ld, const int rows, const int tid)
+    {
+        n = 0; live = 0;
+        #pragma unroll
+        for (int t = 0; t < N; ++t)
+        {
+            const int c = tid + t * THREADS, r = c / (KS * 2), j = c - r * (KS * 2);
+            src[t] = (u32)((r < rows ? r : 0) * ld + j * 8);
+            dst[t] = OFF()(r, j);
+            n += c < TOTAL;
+            live |= (r < rows) << t;
+        }
+    }
+    // The stage's k columns from g (row 0, its first column) on into shared memory at sdst.
+    EXL3_INLINE void issue(const u32 sdst, const u16* g) const
+    {
+        #pragma unroll
+        for (int t = 0; t < N; ++t)
+            if (N * THREADS == TOTAL || t < n) cp_async16(sdst + dst[t], g + src[t], (live >> t) & 1 ? 16 : 0);
+    }
+    // The same copies with the offsets worked out on the spot.
+    EXL3_INLINE static void issue_computed(const u32 sdst, const u16* g, const int ld, const int rows, const int tid)
+    {
+        for (int c = tid; c < TOTAL; c += THREADS)
+        {
+            const int r = c / (KS * 2), j = c - r * (KS * 2);
+            const bool ok = r < rows;
+            cp_async16(sdst + OFF()(r, j), g + (size_t)(ok ? r : 0) * ld + j * 8, ok ? 16 : 0);
+        }
+    }
+};
+
+// Where chunk j of row r of an x stage goes: rows of LD halves (the mma.sync tiers).
+template <int LD>
+struct PaddedRows { EXL3_INLINE u32 operator()(int r, int j) const { return (u32)(r * LD + j * 8) * 2; } };
 
 // The cp.async ring both GEMM segments run: load(s, buf) fills stage s into buffer buf, STAGES - 1 stages ahead.
 template <int STAGES, class LOAD>
@@ -217,8 +289,12 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     u32* sB = (u32*)smem;
     u16* sA = (u16*)(smem + STAGES * B_STAGE * 4);
 
+    TrellisCopy<KS, 8, THREADS> tcopy;
+    tcopy.init(b_row, tid);
+    XCopy<I8 ? 16 : BM, KS, THREADS, PaddedRows<A_LD>> xcopy;  // (the int8 path copies its own layout below)
+    if constexpr (!I8) xcopy.init(p.k, rows, tid);
     auto load_stage = [&](int s, int buf) {
-        load_trellis_stage<KS, 8, THREADS>(smem_addr(sB + buf * B_STAGE), B + (size_t)s * KS * b_row, b_row, tid);
+        tcopy.issue(smem_addr(sB + buf * B_STAGE), B + (size_t)s * KS * b_row);
         const int kcol = (step0 + s * KS) * 16;
         const u32 adst = smem_addr(sA + buf * A_STAGE);
         if constexpr (I8)
@@ -227,12 +303,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
             for (int c = tid; c < KS * 16; c += THREADS) cp_async16(adst + c * 16, xq + c * 16, 16);
             return;
         }
-        for (int c = tid; c < BM * KS * 2; c += THREADS)
-        {
-            const int r = c / (KS * 2), j = c - r * (KS * 2);
-            const bool ok = r < rows;
-            cp_async16(adst + (r * A_LD + j * 8) * 2, A + (size_t)(ok ? r : 0) * p.k + kcol + j * 8, ok ? 16 : 0);
-        }
+        else xcopy.issue(adst, A + kcol);
     };
 
     float acc[MT][2 * NT][4];
@@ -373,6 +444,8 @@ struct WgX
     // below 2^18, so adding the step's offset / 16 cannot carry out of it (one add instead of rebuilding the fields).
     EXL3_INLINE static u64 desc_step(u64 desc0, int i) { return desc0 + (u64)(((i >> 2) * (BN * 128) + (i & 3) * 32) >> 4); }
 };
+template <int BN, int KS>
+struct SwizzledX { EXL3_INLINE u32 operator()(int r, int j) const { return WgX<BN, KS>::offset(r, j); } };
 
 // Hopper segment over 64 * NWG columns: every warp decodes one 16x16 tile per k16 step straight into the A fragment
 // of W^T (output columns as MMA rows), and each warpgroup multiplies its 64 columns by all BN rows of x with one
@@ -406,15 +479,30 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
     u16* sA = (u16*)base;
     u32* sB = (u32*)(base + STAGES * WgX<BN, KS>::STAGE);
 
+    // 4 warpgroups with 128 rows keep 64 accumulators per thread under the 128-register cap: no stored offsets there.
+    constexpr bool PRE = !(NWG == 4 && BN >= 128);
+    typedef TrellisCopy<KS, 4 * NWG, THREADS> TC;
+    typedef XCopy<BN, KS, THREADS, SwizzledX<BN, KS>> XC;
+    TC tcopy;
+    XC xcopy;
+    if constexpr (PRE)
+    {
+        tcopy.init(b_row, tid);
+        xcopy.init(p.k, rows, tid);
+    }
     auto load_stage = [&](int s, int buf) {
-        load_trellis_stage<KS, 4 * NWG, THREADS>(smem_addr(sB + buf * B_STAGE), B + (size_t)s * KS * b_row, b_row, tid);
-        const int kcol = (step0 + s * KS) * 16;
-        const u32 adst = smem_addr(sA) + buf * WgX<BN, KS>::STAGE;
-        for (int c = tid; c < BN * KS * 2; c += THREADS)
+        const u32* g = B + (size_t)s * KS * b_row;
+        const u16* gx = A + (step0 + s * KS) * 16;
+        const u32 xdst = smem_addr(sA) + buf * WgX<BN, KS>::STAGE;
+        if constexpr (PRE)
         {
-            const int r = c / (KS * 2), j = c - r * (KS * 2);
-            const bool ok = r < rows;
-            cp_async16(adst + WgX<BN, KS>::offset(r, j), A + (size_t)(ok ? r : 0) * p.k + kcol + j * 8, ok ? 16 : 0);
+            tcopy.issue(smem_addr(sB + buf * B_STAGE), g);
+            xcopy.issue(xdst, gx);
+        }
+        else
+        {
+            TC::issue_computed(smem_addr(sB + buf * B_STAGE), g, b_row, tid);
+            XC::issue_computed(xdst, gx, p.k, rows, tid);
         }
     };
 
