@@ -71,15 +71,18 @@ struct TrellisCopy
     static constexpr int N = (KS * CH + THREADS - 1) / THREADS;
     u32 src[N], dst[N];  // word offset from the stage's first word (32 bits: KS rows of a layer), shared-memory bytes
     int n;               // chunks this thread copies (N, or fewer when THREADS does not divide the stage)
+    // Chunk c = (step i, 16-byte piece j of the step's tiles): its word offset in global and byte offset in shared.
+    EXL3_INLINE static u32 src_of(const int c, const size_t b_row) { return (u32)((c / CH) * b_row) + (c % CH) * 4; }
+    EXL3_INLINE static u32 dst_of(const int c) { return ((c / CH) * TILES * TL::W32 + (c % CH) * 4) * 4; }
     EXL3_INLINE void init(const size_t b_row, const int tid)
     {
         n = 0;
         #pragma unroll
         for (int t = 0; t < N; ++t)
         {
-            const int c = tid + t * THREADS, i = c / CH, j = c - i * CH;
-            src[t] = (u32)(i * b_row) + j * 4;
-            dst[t] = (i * TILES * TL::W32 + j * 4) * 4;
+            const int c = tid + t * THREADS;
+            src[t] = src_of(c, b_row);
+            dst[t] = dst_of(c);
             n += c < KS * CH;
         }
     }
@@ -93,11 +96,7 @@ struct TrellisCopy
     // The same copies with the offsets worked out on the spot (tiers with no registers to keep them in).
     EXL3_INLINE static void issue_computed(const u32 sdst, const u32* g, const size_t b_row, const int tid)
     {
-        for (int c = tid; c < KS * CH; c += THREADS)
-        {
-            const int i = c / CH, j = c - i * CH;
-            cp_async16(sdst + (i * TILES * TL::W32 + j * 4) * 4, g + i * b_row + j * 4, 16);
-        }
+        for (int c = tid; c < KS * CH; c += THREADS) cp_async16(sdst + dst_of(c), g + src_of(c, b_row), 16);
     }
 };
 
@@ -110,17 +109,24 @@ struct XCopy
     static constexpr int N = (TOTAL + THREADS - 1) / THREADS;
     u32 src[N], dst[N];  // element offset from the block's first row (32 bits: ROWS rows of x), shared-memory bytes
     int n, live;         // chunks this thread copies; bit t set: chunk t is a real row
+    // Chunk c = (row r, 16-byte piece j): its element offset in global (rows past `rows` read row 0) and shared.
+    EXL3_INLINE static u32 src_of(const int c, const int ld, const int rows)
+    {
+        const int r = c / (KS * 2);
+        return (u32)((r < rows ? r : 0) * ld + (c % (KS * 2)) * 8);
+    }
+    EXL3_INLINE static u32 dst_of(const int c) { return OFF()(c / (KS * 2), c % (KS * 2)); }
     EXL3_INLINE void init(const int ld, const int rows, const int tid)
     {
         n = 0; live = 0;
         #pragma unroll
         for (int t = 0; t < N; ++t)
         {
-            const int c = tid + t * THREADS, r = c / (KS * 2), j = c - r * (KS * 2);
-            src[t] = (u32)((r < rows ? r : 0) * ld + j * 8);
-            dst[t] = OFF()(r, j);
+            const int c = tid + t * THREADS;
+            src[t] = src_of(c, ld, rows);
+            dst[t] = dst_of(c);
             n += c < TOTAL;
-            live |= (r < rows) << t;
+            live |= (c / (KS * 2) < rows) << t;
         }
     }
     // The stage's k columns from g (row 0, its first column) on into shared memory at sdst.
@@ -134,11 +140,7 @@ struct XCopy
     EXL3_INLINE static void issue_computed(const u32 sdst, const u16* g, const int ld, const int rows, const int tid)
     {
         for (int c = tid; c < TOTAL; c += THREADS)
-        {
-            const int r = c / (KS * 2), j = c - r * (KS * 2);
-            const bool ok = r < rows;
-            cp_async16(sdst + OFF()(r, j), g + (size_t)(ok ? r : 0) * ld + j * 8, ok ? 16 : 0);
-        }
+            cp_async16(sdst + dst_of(c), g + src_of(c, ld, rows), c / (KS * 2) < rows ? 16 : 0);
     }
 };
 
