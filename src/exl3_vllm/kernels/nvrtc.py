@@ -251,11 +251,34 @@ def loaded(source: str, arch: int, defines: dict | None, device_index: int) -> M
     return _modules.get((source, arch, tuple(sorted((defines or {}).items())), device_index))
 
 
-def launch(func, grid, block, smem: int, stream: int, args) -> None:
-    """cuLaunchKernel with args given as ctypes values (kept alive for the call)."""
+def _pdl_attrs():
+    drv = _driver()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return [attr]
+
+
+def launch(func, grid, block, smem: int, stream: int, args, overlap_previous: bool = False) -> None:
+    """cuLaunchKernel with args given as ctypes values (kept alive for the call).
+
+    overlap_previous: a programmatic dependent launch (sm_90+): the kernel may start once every block of the previous
+    kernel on the stream has called pdl_launch_dependents(), and must pdl_wait() before reading that kernel's output.
+    """
     drv = _driver()
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    err = drv.cuLaunchKernel(func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
-                             drv.CUstream(stream), ctypes.addressof(ptrs), 0)[0]
+    if overlap_previous:
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+        cfg.sharedMemBytes = smem
+        cfg.hStream = drv.CUstream(stream)
+        cfg.attrs = _pdl_attrs()
+        cfg.numAttrs = 1
+        err = drv.cuLaunchKernelEx(cfg, func, ctypes.addressof(ptrs), 0)[0]
+    else:
+        err = drv.cuLaunchKernel(func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                                 drv.CUstream(stream), ctypes.addressof(ptrs), 0)[0]
     if int(err) != 0:
-        raise KernelError(f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, smem {smem})")
+        raise KernelError(f"cuLaunchKernel{'Ex' if overlap_previous else ''} failed: {err!r} "
+                          f"(grid {grid}, block {block}, smem {smem})")

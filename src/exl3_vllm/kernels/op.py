@@ -44,6 +44,12 @@ def ws_enabled(arch: int) -> bool:
     return wg_enabled(arch) and os.environ.get("EXL3_VLLM_WS", "1") != "0"
 
 
+def pdl_enabled(arch: int) -> bool:
+    """The GEMM starts loading its weights while the input transform finishes (programmatic dependent launch, sm_90+);
+    EXL3_VLLM_PDL=0 launches it after the transform as usual."""
+    return arch >= 90 and os.environ.get("EXL3_VLLM_PDL", "1") != "0"
+
+
 def _large_m() -> int:
     return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M))
 
@@ -373,7 +379,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     smem = tier.smem(bits)
     f = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else ""), bf), smem)
     grid = (p.stream, 1, mblocks) if p.stream else (n_total // tier.cols, p.splits, mblocks)
-    nvrtc.launch(f, grid, (tier.threads, 1, 1), smem, stream, [a])
+    nvrtc.launch(f, grid, (tier.threads, 1, 1), smem, stream, [a], overlap_previous=pdl_enabled(d.arch))
     if det and p.splits > 1:
         nvrtc.launch(io.function("exl3_reduce_bf16" if bf else "exl3_reduce_f16"), (ncb, -(-m // 8), 1), (256, 1, 1), 0,
                      stream, [ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(p.splits), ctypes.c_int32(m),

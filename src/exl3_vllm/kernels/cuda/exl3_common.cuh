@@ -40,6 +40,21 @@ EXL3_INLINE void cp_async16(u32 dst, const void* src, int src_bytes)
 EXL3_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> EXL3_INLINE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// Programmatic dependent launch (sm_90+; no-ops before, and when the launch did not ask for it): a producer kernel lets
+// its dependent start early; the dependent's wait returns once the producer grid has finished and its writes are visible.
+EXL3_INLINE void pdl_launch_dependents()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+EXL3_INLINE void pdl_wait()
+{
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 EXL3_INLINE void ldmatrix_x4(u32 (&r)[4], u32 addr)
 {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -26,6 +26,7 @@ struct DenseRows
 template <class SRC>
 __device__ __forceinline__ void input_body(const SRC& src, u16* __restrict__ xh, int m, int k, int S)
 {
+    pdl_launch_dependents();  // the GEMM may start loading its weights now; it waits for xh before reading it
     const int lane = threadIdx.x & 31;
     const unsigned chunks = (unsigned)k >> 7;
     const unsigned total = (unsigned)S * (unsigned)m * chunks;
@@ -69,6 +70,7 @@ __device__ __forceinline__ void input_i8_body(const SRC& src, signed char* __res
 {
     extern __shared__ float xs[];
     __shared__ float red[32];
+    pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int row = mb * 8 + r;
     if (!src.active(row)) return;

@@ -148,14 +148,20 @@ struct XCopy
 template <int LD>
 struct PaddedRows { EXL3_INLINE u32 operator()(int r, int j) const { return (u32)(r * LD + j * 8) * 2; } };
 
-// The cp.async ring both GEMM segments run: load(s, buf) fills stage s into buffer buf, STAGES - 1 stages ahead.
-template <int STAGES, class LOAD>
-EXL3_INLINE void ring_prologue(const LOAD& load, int nstages)
+// The cp.async ring both GEMM segments run: a stage's weights (load_w) and x (load_x) go into buffer buf, STAGES - 1
+// stages ahead. The prologue issues the weights before waiting on the input transform (pdl_wait), so under a dependent
+// launch they stream in while it finishes; stage 0's group then holds every prologue stage's weights.
+template <int STAGES, class LOADW, class LOADX>
+EXL3_INLINE void ring_prologue(const LOADW& load_w, const LOADX& load_x, int nstages)
 {
     #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
+        if (s < nstages) load_w(s, s);
+    pdl_wait();
+    #pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
     {
-        if (s < nstages) load(s, s);
+        if (s < nstages) load_x(s, s);
         cp_async_commit();
     }
 }
@@ -295,18 +301,18 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     tcopy.init(b_row, tid);
     XCopy<I8 ? 16 : BM, KS, THREADS, PaddedRows<A_LD>> xcopy;  // (the int8 path copies its own layout below)
     if constexpr (!I8) xcopy.init(p.k, rows, tid);
-    auto load_stage = [&](int s, int buf) {
-        tcopy.issue(smem_addr(sB + buf * B_STAGE), B + (size_t)s * KS * b_row);
+    auto load_w = [&](int s, int buf) { tcopy.issue(smem_addr(sB + buf * B_STAGE), B + (size_t)s * KS * b_row); };
+    auto load_x = [&](int s, int buf) {
         const int kcol = (step0 + s * KS) * 16;
         const u32 adst = smem_addr(sA + buf * A_STAGE);
         if constexpr (I8)
         {
             const char* xq = (const char*)p.xh + ((size_t)(shard * p.mblocks + mb) * (p.k >> 4) + step0 + s * KS) * 256;
             for (int c = tid; c < KS * 16; c += THREADS) cp_async16(adst + c * 16, xq + c * 16, 16);
-            return;
         }
         else xcopy.issue(adst, A + kcol);
     };
+    auto load_stage = [&](int s, int buf) { load_w(s, buf); load_x(s, buf); };
 
     float acc[MT][2 * NT][4];
     #pragma unroll
@@ -324,7 +330,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     LaneMap<KA, HALF> lm;
     lm.init(lane);
 
-    ring_prologue<STAGES>(load_stage, nstages);
+    ring_prologue<STAGES>(load_w, load_x, nstages);
     for (int s = 0; s < nstages; ++s)
     {
         const int buf = ring_next<STAGES, false>(load_stage, s, nstages);
@@ -492,21 +498,18 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
         tcopy.init(b_row, tid);
         xcopy.init(p.k, rows, tid);
     }
-    auto load_stage = [&](int s, int buf) {
+    auto load_w = [&](int s, int buf) {
         const u32* g = B + (size_t)s * KS * b_row;
+        if constexpr (PRE) tcopy.issue(smem_addr(sB + buf * B_STAGE), g);
+        else TC::issue_computed(smem_addr(sB + buf * B_STAGE), g, b_row, tid);
+    };
+    auto load_x = [&](int s, int buf) {
         const u16* gx = A + (step0 + s * KS) * 16;
         const u32 xdst = smem_addr(sA) + buf * WgX<BN, KS>::STAGE;
-        if constexpr (PRE)
-        {
-            tcopy.issue(smem_addr(sB + buf * B_STAGE), g);
-            xcopy.issue(xdst, gx);
-        }
-        else
-        {
-            TC::issue_computed(smem_addr(sB + buf * B_STAGE), g, b_row, tid);
-            XC::issue_computed(xdst, gx, p.k, rows, tid);
-        }
+        if constexpr (PRE) xcopy.issue(xdst, gx);
+        else XC::issue_computed(xdst, gx, p.k, rows, tid);
     };
+    auto load_stage = [&](int s, int buf) { load_w(s, buf); load_x(s, buf); };
 
     float acc[BN / 2];
     #pragma unroll
@@ -515,7 +518,7 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
     LaneMap<KA, HALF> lm;
     lm.init(lane);
 
-    ring_prologue<STAGES>(load_stage, nstages);
+    ring_prologue<STAGES>(load_w, load_x, nstages);
     for (int s = 0; s < nstages; ++s)
     {
         const int buf = ring_next<STAGES, true>(load_stage, s, nstages);
@@ -778,7 +781,13 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
             int shard = 0;
             #pragma unroll
             for (int i = 0; i < 7; ++i) if (i + 1 < p.nshards && cb >= p.shard_end[i]) shard = i + 1;
-            const u16* X = p.xh + ((size_t)shard * p.m + row0) * p.k + step0 * 16;
+            // This lane's x chunks of a stage: 16-byte piece j = lane % CPR of rows lane / CPR, + RPI, ... (no divisions
+            // per chunk; the 32 lanes cover RPI whole rows per pass).
+            constexpr int CPR = KS * 2, RPI = 32 / CPR;
+            static_assert(32 % CPR == 0, "a warp covers whole rows of a stage");
+            const int xj = lane % CPR, xr0 = lane / CPR;
+            const u16* X = p.xh + ((size_t)shard * p.m + row0 + xr0) * p.k + step0 * 16 + xj * 8;
+            const size_t xstep = (size_t)RPI * p.k;
             const u32* src[NCH];
             bool has[NCH];
             #pragma unroll
@@ -801,6 +810,7 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 if (s < nstages) load_trellis(s, (buf + s) % STAGES);
                 cp_async_commit();
             }
+            pdl_wait();  // x is the input transform's output (dependent launch: the weights above are already on the way)
             for (int s = 0; s < nstages; ++s, advance())
             {
                 if (wrapped) mbar_wait(empty + 8 * buf, phase ^ 1);
@@ -810,11 +820,8 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 {
                     const u16* xs = X + s * KS * 16;
                     const u32 xdst = sx + buf * SH::X_STAGE;
-                    for (int c = lane; c < rows * KS * 2; c += 32)
-                    {
-                        const int r = c / (KS * 2), j = c % (KS * 2);
-                        cp_async16(xdst + WgX<BN, KS>::offset(r, j), xs + (size_t)r * p.k + j * 8, 16);
-                    }
+                    for (int r = xr0; r < rows; r += RPI, xs += xstep)
+                        cp_async16(xdst + WgX<BN, KS>::offset(r, xj), xs, 16);
                     mbar_arrive_cp_async(full + 8 * buf);
                 }
                 if (++xw == SH::NPW) xw = 0;
