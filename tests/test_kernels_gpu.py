@@ -296,6 +296,34 @@ def test_deterministic_bit_exact(m, monkeypatch):
         assert torch.equal(torch.ops.exl3.linear(x, trellis, suh[0], svh, bias, [n], 1), first)
 
 
+@pytest.mark.parametrize("tier", ["x64", "x128", "x256", "w64", "w16"])
+def test_deterministic_forced_hopper_tier(tier, monkeypatch):
+    """Deterministic mode with a Hopper tier forced: partial sums through the split slots and the reduction kernel
+    (never the atomics or stream-k), exact against the reference and bit-identical over 20 runs."""
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wg tiers are sm_90a only")
+    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
+    monkeypatch.setenv("EXL3_VLLM_TIER", tier)
+    gen = torch.Generator(device=DEV).manual_seed(31)
+    k, sizes, cb = 4096, [256, 256], 2
+    n = sum(sizes)
+    m = kop.TIERS[tier].bm + 3
+    trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    p = kop.plan(m, k, n, 4, sms, max(sizes), codebook=cb, arch=90, col_align=256)
+    assert p.tier == tier and p.splits > 1 and not p.stream, p
+    x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+    ref = x.double() @ _dense64(trellis, suh, svh, cb, sizes) + bias.double()
+    first = torch.full((m, n), float("nan"), dtype=x.dtype, device=DEV)
+    kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb, out=first)
+    torch.cuda.synchronize()
+    err = _rel(first, ref)
+    _report(f"deterministic {tier} forced (splits {p.splits}, m={m}): rel_err={err:.3e}")
+    assert err <= TOL + _rel(ref.to(x.dtype), ref)
+    for _ in range(19):
+        assert torch.equal(kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb), first)
+
+
 def test_bad_input_errors():
     gen = torch.Generator(device=DEV).manual_seed(1)
     trellis, suh, svh, _ = _layer(256, 256, 4, 1, gen)
