@@ -230,7 +230,7 @@ def main():
                     os.environ.pop("EXL3_VLLM_TIER", None)
                     nbytes = tbytes + m * k * 2 + m * n * 2
                     flops = 2 * m * k * n
-                    floor = max(nbytes / bw * 2, k * n / decode_rate, flops / gemm_rate)  # bw counts read+write
+                    floor = max(nbytes / bw, k * n / decode_rate, flops / gemm_rate)  # bw: bytes moved (read + write) per second
                     p = kop.plan_for(kop._dev(0), m, k, n, bits, cb, [n]) if not force else force
                     row = dict(layer=f"{k}x{n}", K=bits, cb=cbn, M=m, path=pname,
                                plan=str(p) if not force else force, ours_us=round(t_ours, 2), bf16_us=round(tb, 2),

@@ -544,7 +544,7 @@ def main():
                        error=berr)
             if "decode_rate" in ent:
                 dec_s = weights / ent["decode_rate"]
-                floor = max(nbytes / bw * 2, dec_s, flops / gemm_rate)
+                floor = max(nbytes / bw, dec_s, flops / gemm_rate)  # bw: bytes moved (read + write) per second
                 row.update(floor_us=round(floor * 1e6, 2), decode_only_us=round(dec_s * 1e6, 2))
             t_ours = None
             if ent["err"] or kmoe is None:
