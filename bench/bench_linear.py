@@ -125,7 +125,7 @@ def main():
                     help="only the auto path (default: also the tiers/paths auto chose against)")
     ap.add_argument("--peer", choices=["auto", "off"], default="auto",
                     help="auto: add exllamav3's kernels (bench/peer) where its library loads")
-    ap.add_argument("--tiers", default="", help="extra forced tiers per row with --compare, e.g. x64,x128,x256")
+    ap.add_argument("--tiers", default="", help="extra forced tiers per row (with --no-compare: only these beside auto), e.g. x64,x128:fixed")
     ap.add_argument("--deadline", type=float, default=0, help="unix time: stop the grid and write what is done")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -212,6 +212,8 @@ def main():
                         alts += [t for t in args.tiers.split(",") if t]
                     chosen = "dequant" if auto.path == "dequant" else auto.tier
                     paths += [(a, a) for a in dict.fromkeys(alts) if a != chosen]
+                if not args.compare:
+                    paths += [(t, t) for t in args.tiers.split(",") if t]
                 if m <= 8 and cbn == "mul1" and args.compare:
                     paths.append(("m16", "m16"))  # the fp16 tier the int8 tier replaces
                 for pname, force in paths:

@@ -838,6 +838,9 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 #pragma unroll
                 for (int j = 0; j < SH::UPW; ++j)
                 {
+#ifdef EXL3_DIAG_NO_DECODE
+                    break;  // bound analysis only (wrong results): the pipeline without the decode
+#endif
                     const int u = pw + SH::NPW * j;
                     // The next tile's words now: loads cannot move past stmatrix (an asm with a memory clobber), so
                     // without this every tile would wait out a shared-memory load latency.
@@ -873,9 +876,11 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 const u64 ad = smem_desc(sa + buf * SH::A_STAGE + c * 2048, 128, 256);
                 const u64 xd = WgX<BN, KS>::desc(sx + buf * SH::X_STAGE, 0);
                 wgmma_fence();
+#ifndef EXL3_DIAG_NO_MMA  // bound analysis only (wrong results): the pipeline without the tensor-core work
                 #pragma unroll
                 for (int i = 0; i < KS; ++i)  // step i's A is A_STEP bytes further: one add to the start-address field
                     wgmma_ss<BN>(acc, ad + (u64)((i * SH::A_STEP) >> 4), WgX<BN, KS>::desc_step(xd, i));
+#endif
                 wgmma_commit();
                 // The stage goes back as soon as its wgmmas are done: its x load is the next one the producers issue.
                 wgmma_wait<0>();
