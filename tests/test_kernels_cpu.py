@@ -67,24 +67,32 @@ def test_variant_list():
 
 def test_plan_shapes():
     p = kop.plan(1, 4096, 4096, 4, 132)
-    assert p.path == "gemm" and p.tier == "m16" and p.splits > 1
+    assert p.path == "gemm" and p.tier == "h8" and p.splits > 1
     assert p.splits * p.steps_per_split >= 4096 // 16
+    p = kop.plan(9, 4096, 4096, 4, 132)
+    assert p.path == "gemm" and p.tier == "m16" and p.splits > 1
     assert kop.plan(100, 4096, 4096, 4, 132).tier == "m128"
     assert kop.plan(129, 4096, 4096, 4, 132).path == "dequant"
     assert kop.plan(4096, 4096, 4096, 4, 132).path == "dequant"
 
 
 def test_plan_int8_tier(monkeypatch):
-    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "i8"
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "i4"
+    assert kop.plan(4, 4096, 4096, 4, 132, codebook=2).tier == "i4"
+    assert kop.plan(5, 4096, 4096, 4, 132, codebook=2).tier == "i8"
     assert kop.plan(8, 4096, 4096, 2.5, 132, codebook=2).tier == "i8"
     assert kop.plan(9, 4096, 4096, 4, 132, codebook=2).tier == "m16"
-    assert kop.plan(1, 4096, 4096, 4, 132, codebook=1).tier == "m16"
-    assert kop.plan(1, 65536 + 128, 4096, 4, 132, codebook=2, smem_limit=1 << 20).tier == "m16"
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=1).tier == "h8"
+    assert kop.plan(8, 4096, 4096, 4, 132, codebook=0).tier == "h8"
+    assert kop.plan(1, 65536 + 128, 4096, 4, 132, codebook=2, smem_limit=1 << 20).tier == "h8"
     monkeypatch.setenv("EXL3_VLLM_INT8", "0")
-    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "m16"
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "h8"
     monkeypatch.setenv("EXL3_VLLM_TIER", "i8")
     with pytest.raises(kop.KernelError, match="mul1"):
         kop.plan(1, 4096, 4096, 4, 132, codebook=1)
+    monkeypatch.setenv("EXL3_VLLM_TIER", "i4")
+    with pytest.raises(kop.KernelError, match="at most 4 rows"):
+        kop.plan(5, 4096, 4096, 4, 132, codebook=2)
 
 
 def test_extra_defines_env(monkeypatch):
@@ -112,9 +120,9 @@ def test_plan_fixed_suffix(monkeypatch):
 
 def test_plan_wg_tiers(monkeypatch):
     """On sm_90 the wgmma tiers take 9..LARGE_M rows; other archs keep the mma.sync tiers; forcing checks the arch."""
-    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).tier == "i8"
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).tier == "i4"
     assert kop.plan(9, 4096, 4096, 4, 132, codebook=2, arch=90).tier == "w16"
-    assert kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90).tier == "w16"
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90).tier == "h8"
     assert kop.plan(33, 4096, 4096, 4, 132, arch=90).tier == "w64"
     assert kop.plan(33, 4096, 4096 + 128, 4, 132, arch=90).tier == "w64n"
     assert kop.plan(33, 4096, 4096, 4, 132, arch=90, col_align=128).tier == "w64n"
@@ -139,7 +147,10 @@ def test_tune_buckets_and_candidates():
     assert [tune.bucket(m) for m in (1, 3, 8, 9, 100, 4096, 9000)] == [1, 4, 8, 16, 128, 4096, 4096]
     hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024)
     ampere = SimpleNamespace(arch=80, smem_limit=163 * 1024)
-    assert tune.candidates(hopper, 4, 4096, 4, 2, 4096) == ["i8", "w16", "m16"]
+    assert tune.candidates(hopper, 4, 4096, 4, 2, 4096) == ["i4", "i8", "h8", "w16", "m16"]
+    assert tune.candidates(hopper, 8, 4096, 4, 2, 4096) == ["i8", "h8", "w16", "m16"]
+    assert tune.candidates(hopper, 8, 4096, 4, 1, 4096) == ["h8", "w16", "m16"]
+    assert tune.candidates(hopper, 9, 4096, 4, 1, 4096) == ["w16", "m16"]
     assert tune.candidates(hopper, 32, 4096, 4, 1, 4096) == ["w32", "x64", "m32", "dequant"]
     assert tune.candidates(hopper, 64, 4096, 4, 1, 4096) == ["w64", "x64", "x128", "m64", "dequant"]
     assert tune.candidates(hopper, 64, 4096, 4, 1, 128) == ["w64n", "x64", "x128", "m64", "dequant"]
@@ -221,6 +232,10 @@ def test_moe_plan_deterministic_and_forced(monkeypatch):
     monkeypatch.setenv("EXL3_VLLM_TIER", "i8")
     with pytest.raises(kop.KernelError, match="mul1"):
         _moe_plan(1, cbs=(2, 0))
+    for dense_only in ("i4", "h8"):  # x as the MMA's B operand: dense layers only
+        monkeypatch.setenv("EXL3_VLLM_TIER", dense_only)
+        with pytest.raises(kop.KernelError, match="not one of the MoE tiers"):
+            _moe_plan(1)
 
 
 def test_moe_op_fake_and_cpu_error():

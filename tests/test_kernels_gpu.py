@@ -90,7 +90,7 @@ WG_VARIANTS = [(4, 2), (4, 1), (3, 0), (2.5, 2), (8, 2), (1, 1)]
 
 
 @pytest.mark.parametrize("tier", ["w16", "w32", "w64", "w128", "w64n", "w128n", "x64", "x128", "x256",
-                                  "m16", "m32", "m64", "m128", "dequant"])
+                                  "m16", "m32", "m64", "m128", "h8", "dequant"])
 def test_tiers_forced(tier, monkeypatch):
     """Each tier (the Hopper wgmma ones on sm_90), forced, at partial/whole/multiple row blocks, fused shards, split-k,
     stream-k (tiers with a stream twin, on a layer whose column blocks leave a partial wave) and one split: the
@@ -211,7 +211,8 @@ def test_split_k_large_k_and_op_path():
 
 @pytest.mark.parametrize("bits", [4, 2.5, 7])
 def test_int8_tier_wide_k_fused(bits, monkeypatch):
-    """The mul1 int8 tier at wide k (input transform in shared memory, long int32 sums) equals the fp16 path."""
+    """The mul1 int8 tiers (i4 up to 4 rows, i8 up to 8) at wide k (input transform in shared memory, long int32
+    sums) are exact within the fp16 path's tolerance, stream-k and fixed split, and i8 forced where i4 runs."""
     gen = torch.Generator(device=DEV).manual_seed(int(bits * 10))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for k, sizes in ((8192, [256, 128]), (28672, [384])):
@@ -219,8 +220,8 @@ def test_int8_tier_wide_k_fused(bits, monkeypatch):
         trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
         w64 = _dense64(trellis, suh, svh, 2, sizes)
         sh = suh if len(sizes) > 1 else suh[0]
-        for m in (1, 3, 8):
-            assert kop.plan(m, k, n, bits, sms, codebook=2).tier == "i8"
+        for m in (1, 3, 4, 5, 8):
+            assert kop.plan(m, k, n, bits, sms, codebook=2).tier == ("i4" if m <= 4 else "i8")
             assert kop.plan(m, k, n, bits, sms, codebook=2).stream > 0
             for dt in DTYPES:
                 x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(dt)
@@ -234,10 +235,21 @@ def test_int8_tier_wide_k_fused(bits, monkeypatch):
                 monkeypatch.setenv("EXL3_VLLM_STREAMK", "0")
                 fixed = kop.linear_cuda(x, trellis, sh, svh, bias, sizes, 2)
                 monkeypatch.delenv("EXL3_VLLM_STREAMK")
+                other = ""
+                if m <= 4:
+                    monkeypatch.setenv("EXL3_VLLM_TIER", "i8")
+                    y8 = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+                    kop.linear_cuda(x, trellis, sh, svh, bias, sizes, 2, out=y8)
+                    monkeypatch.delenv("EXL3_VLLM_TIER")
+                    torch.cuda.synchronize()
+                    err8 = _rel(y8, ref)
+                    other = f" i8 forced err={err8:.3e} (bit-identical to i4: {torch.equal(y8, out)})"
+                    assert not torch.isnan(y8).any() and err8 <= TOL + floor, (k, m, dt, err8)
                 torch.cuda.synchronize()
                 err, err_fp, err_fixed = _rel(out, ref), _rel(fp, ref), _rel(fixed, ref)
-                _report(f"int8 tier K={bits:g} k={k} m={m} {str(dt)[6:]} stream-k err={err:.3e} fixed-split "
-                        f"err={err_fixed:.3e} (fp16 tier {err_fp:.3e})")
+                _report(f"int8 tier {kop.plan(m, k, n, bits, sms, codebook=2).tier} K={bits:g} k={k} m={m} "
+                        f"{str(dt)[6:]} stream-k err={err:.3e} fixed-split err={err_fixed:.3e} (fp16 tier "
+                        f"{err_fp:.3e}){other}")
                 assert not torch.isnan(out).any() and err <= TOL + floor, (k, m, dt, err)
                 assert err_fixed <= TOL + floor, (k, m, dt, err_fixed)
 
@@ -311,6 +323,30 @@ def test_deterministic_forced_hopper_tier(tier, monkeypatch):
     trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     p = kop.plan(m, k, n, 4, sms, max(sizes), codebook=cb, arch=90, col_align=256)
+    assert p.tier == tier and p.splits > 1 and not p.stream, p
+    x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+    ref = x.double() @ _dense64(trellis, suh, svh, cb, sizes) + bias.double()
+    first = torch.full((m, n), float("nan"), dtype=x.dtype, device=DEV)
+    kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb, out=first)
+    torch.cuda.synchronize()
+    err = _rel(first, ref)
+    _report(f"deterministic {tier} forced (splits {p.splits}, m={m}): rel_err={err:.3e}")
+    assert err <= TOL + _rel(ref.to(x.dtype), ref)
+    for _ in range(19):
+        assert torch.equal(kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb), first)
+
+
+@pytest.mark.parametrize("tier,m", [("i4", 3), ("i8", 7)])
+def test_deterministic_int8_tiers(tier, m, monkeypatch):
+    """Deterministic mode with an int8 tier forced: split slots + reduction kernel, exact and bit-identical over 20 runs."""
+    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
+    monkeypatch.setenv("EXL3_VLLM_TIER", tier)
+    gen = torch.Generator(device=DEV).manual_seed(37 + m)
+    k, sizes, cb = 4096, [256, 256], 2
+    n = sum(sizes)
+    trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    p = kop.plan(m, k, n, 4, sms, max(sizes), codebook=cb)
     assert p.tier == tier and p.splits > 1 and not p.stream, p
     x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
     ref = x.double() @ _dense64(trellis, suh, svh, cb, sizes) + bias.double()

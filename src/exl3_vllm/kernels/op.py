@@ -98,7 +98,7 @@ def ws_tier(m: int, bits: float, smem_limit: int):
 
 def mma_tier(m: int, bits: float, smem_limit: int):
     """The mma.sync tier for m rows (any sm_80+)."""
-    fits = [t for t in TIERS.values() if not t.int8 and not t.wg and t.smem(bits) <= smem_limit]
+    fits = [t for t in TIERS.values() if not t.int8 and not t.wg and not t.xb and t.smem(bits) <= smem_limit]
     return next((t for t in fits if m <= t.bm), fits[-1])
 
 
@@ -122,8 +122,8 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         if force not in TIERS:
             raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of {sorted(TIERS)} or 'dequant'")
         tier = TIERS[force]
-        if tier.int8 and not (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit):
-            raise KernelError(f"EXL3_VLLM_TIER=i8 needs the mul1 codebook, at most {INT8_MAX_M} rows and "
+        if tier.int8 and not (codebook == 2 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
+            raise KernelError(f"EXL3_VLLM_TIER={tier.name} needs the mul1 codebook, at most {tier.bm} rows and "
                               f"4*k + 1024 <= {smem_limit} (got codebook {codebook}, m={m}, k={k})")
         if tier.wg and arch != WG_ARCH:
             raise KernelError(f"EXL3_VLLM_TIER={force} needs an sm_{WG_ARCH} GPU (wgmma), this is sm_{arch}")
@@ -131,7 +131,9 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
             raise KernelError(f"EXL3_VLLM_TIER={force} covers {tier.cols} columns per block; this layer's shards "
                               f"are multiples of {col_align} only (use the 'n' twin, e.g. w64n)")
     elif int8_ok(m, k, codebook, smem_limit):
-        tier = TIERS["i8"]
+        tier = TIERS["i4"] if m <= TIERS["i4"].bm else TIERS["i8"]
+    elif m <= TIERS["h8"].bm and TIERS["h8"].smem(bits) <= smem_limit:
+        tier = TIERS["h8"]
     elif wg_enabled(arch):
         tier = wg_tier(m, bits, smem_limit, col_align)
     else:

@@ -27,6 +27,7 @@ class Tier:
     wg: int = 0         # sm_90a only: warpgroups per block (64 columns each), decoded weights as wgmma A fragments
     stream: bool = False  # has a stream-k twin ("<name>s" kernels)
     ws: int = 0         # sm_90a warp-specialized: producer warpgroups decoding into shared memory (wg=2 consumers)
+    xb: bool = False    # x as the MMA's B operand (rows as its n), the weights as A: dense layers only
 
     @property
     def threads(self) -> int:
@@ -48,13 +49,15 @@ class Tier:
         return max(self.stages * stage, self.bm * 132 * 4)
 
 
-# Must match the EXL3_TIER / EXL3_WG_TIER / EXL3_WS_TIER lines of exl3_linear.cu.
+# Must match the EXL3_TIER / EXL3_I8_TIER / EXL3_WG_TIER / EXL3_WS_TIER lines of exl3_linear.cu.
 TIERS = {t.name: t for t in (
     Tier("m16", 16, 8, 8, 8, 4),
     Tier("m32", 32, 4, 4, 8, 4),
     Tier("m64", 64, 2, 4, 8, 3),
     Tier("m128", 128, 1, 2, 4, 3),
     Tier("i8", 8, 4, 4, 8, 4, int8=True, stream=True),
+    Tier("i4", 4, 4, 4, 8, 4, int8=True, stream=True, xb=True),
+    Tier("h8", 8, 4, 4, 8, 4, stream=True, xb=True),
     Tier("w16", 16, 1, 1, 8, 4, wg=2),
     Tier("w32", 32, 1, 1, 8, 4, wg=2, stream=True),
     Tier("w64", 64, 1, 1, 4, 4, wg=4, stream=True),

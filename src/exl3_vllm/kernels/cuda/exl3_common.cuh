@@ -204,6 +204,14 @@ EXL3_INLINE void lane_states(const u32 (&w)[Tile<KA, HALF>::NW], u32 off, u32 (&
     }
 }
 
+// 3inst / mcg: a state's weight is the sum of the two fp16 halves of this word.
+template <int CB>
+EXL3_INLINE u32 cb_halves(u32 st)
+{
+    const u32 v = CB == 0 ? st * 89226354u + 64248484u : st * 0xCBAC1FEDu;
+    return and_xor(v, 0x8FFF8FFFu, 0x3B603B60u);
+}
+
 // Codebook: states -> packed fp16 pairs (v0,v1),(v2,v3),(v4,v5),(v6,v7) = two m16n8k16 B fragments.
 template <int CB>
 EXL3_INLINE void states_to_frag(const u32 (&st)[8], u32 (&b)[4])
@@ -220,11 +228,7 @@ EXL3_INLINE void states_to_frag(const u32 (&st)[8], u32 (&b)[4])
     {
         u32 x[8];
         #pragma unroll
-        for (int q = 0; q < 8; ++q)
-        {
-            u32 v = CB == 0 ? st[q] * 89226354u + 64248484u : st[q] * 0xCBAC1FEDu;
-            x[q] = and_xor(v, 0x8FFF8FFFu, 0x3B603B60u);
-        }
+        for (int q = 0; q < 8; ++q) x[q] = cb_halves<CB>(st[q]);
         #pragma unroll
         for (int p = 0; p < 4; ++p) b[p] = hadd2(prmt(x[2 * p], x[2 * p + 1], 0x5410), prmt(x[2 * p], x[2 * p + 1], 0x7632));
     }

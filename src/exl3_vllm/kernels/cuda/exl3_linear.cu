@@ -193,6 +193,13 @@ EXL3_INLINE void mma_16832_s8u8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+EXL3_INLINE void mma_16832_u8s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1)
+{
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // Split-k through atomics, after this block's partial sums went into the workspace: counts its arrival at (row
 // block mb, column block cb); true for the last of ncontrib arrivals, which then resets the counter. sync is the
 // barrier of the threads that wrote.
@@ -263,7 +270,9 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
 
 // One (column block, k range) segment: pipelined decode + mma, fixed-order k-warp reduction, then the epilogue
 // directly (ncontrib == 1), through split slots (mode 1) or through atomics with the last arriving block finishing.
-template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8>
+// MODE: 0 = fp16, x as the MMA's A operand; 1 = int8 x as A (i8); 2 = int8 with the weights as A (i4); 3 = fp16 with
+// the weights as A (h8: 8 rows of x as the MMA's n).
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE>
 __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trellis, const u16* svh, char* smem,
                                              const int cb, const int split, const int mb, const int step0,
                                              const int nstages, const int ncontrib)
@@ -271,7 +280,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     constexpr int NWN = 8 / NT;
     constexpr int NWARPS = NWN * KW;
     constexpr int THREADS = 32 * NWARPS;
-    constexpr int MT = I8 ? 1 : BM / 16;
+    constexpr bool I8 = MODE == 1 || MODE == 2;
+    constexpr int MT = I8 || MODE == 3 ? 1 : BM / 16;
     constexpr int W32 = TL::W32;
     constexpr int NW = TL::NW;
     constexpr int B_STEP = 8 * W32;
@@ -281,6 +291,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     constexpr int A_STAGE = I8 ? KS * 128 : BM * A_LD;
     static_assert(KS % KW == 0, "each k-warp takes whole steps of a stage");
     static_assert(!I8 || (BM == 8 && CB == 2), "the int8 path is mul1 with 8 rows");
+    static_assert(MODE != 3 || BM == 8, "h8 takes 8 rows of x as the MMA's n");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
@@ -340,6 +351,66 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         for (int ii = 0; ii < KS / KW; ++ii)
         {
             const int i = kw + ii * KW;
+            if constexpr (MODE == 2)
+            {
+                // Weights as the A operand (16 columns x 8 k per MMA), x as B: MMA column n = lane / 4 is x row n / 2,
+                // part n % 2, so one word per lane holds its four k offsets 2j, 2j+1, 8+2j, 9+2j (rows 0..3 only).
+                const u32* aw = (const u32*)(bA + i * 128);
+                const u32 xw = aw[((lane >> 2) & 1) * 32 + (lane >> 3) * 4 + (lane & 3)];
+                const u32 x0 = prmt(xw, 0u, 0x0000), x1 = prmt(xw, 0u, 0x1111);
+                const u32 x2 = prmt(xw, 0u, 0x2222), x3 = prmt(xw, 0u, 0x3333);
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                {
+                    const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
+                    u32 w[NW];
+                    #pragma unroll
+                    for (int q = 0; q < NW; ++q) w[q] = tw[lm.idx[q]];
+                    u32 st[8];
+                    lane_states<KA, HALF>(w, lm.off, st);
+                    #pragma unroll
+                    for (int q = 0; q < 8; ++q) st[q] *= 0x83DCD12Du;
+                    mma_16832_u8s8(iacc[nt], st[0], st[4], st[1], st[5], x0, x1);
+                    mma_16832_u8s8(iacc[nt], st[2], st[6], st[3], st[7], x2, x3);
+                }
+                continue;
+            }
+            if constexpr (MODE == 3)
+            {
+                // Weights as the A operand (16 columns per MMA), x row lane / 4 as MMA column n: this lane's x at k
+                // offsets (2j, 2j+1) and (8+2j, 9+2j), j = lane % 4.
+                const u16* xr = bA + (lane >> 2) * A_LD + i * 16 + 2 * (lane & 3);
+                const u32 xa = *(const u32*)xr, xb = *(const u32*)(xr + 8);
+                // 3inst / mcg: each weight is two fp16 halves summed, so the raw word is an A pair against x repeated
+                // (the tensor cores add the halves; two MMAs per tile); mul1: one MMA per tile.
+                const u32 x0 = prmt(xa, 0u, 0x1010), x1 = prmt(xa, 0u, 0x3232);
+                const u32 x2 = prmt(xb, 0u, 0x1010), x3 = prmt(xb, 0u, 0x3232);
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                {
+                    const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
+                    u32 w[NW];
+                    #pragma unroll
+                    for (int q = 0; q < NW; ++q) w[q] = tw[lm.idx[q]];
+                    u32 st[8];
+                    lane_states<KA, HALF>(w, lm.off, st);
+                    if constexpr (CB == 2)
+                    {
+                        u32 b[4];
+                        states_to_frag<CB>(st, b);
+                        mma_16816(acc[0][nt], {b[0], b[2], b[1], b[3]}, xa, xb);
+                    }
+                    else
+                    {
+                        u32 h[8];
+                        #pragma unroll
+                        for (int q = 0; q < 8; ++q) h[q] = cb_halves<CB>(st[q]);
+                        mma_16816(acc[0][nt], {h[0], h[4], h[1], h[5]}, x0, x1);
+                        mma_16816(acc[0][nt], {h[2], h[6], h[3], h[7]}, x2, x3);
+                    }
+                }
+                continue;
+            }
             if constexpr (I8)
             {
                 // Lane's hi and lo words hold k offsets 2j, 2j+1, 8+2j, 9+2j (j = lane % 4); each byte is replicated
@@ -391,6 +462,52 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     }
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (MODE == 3)
+    {
+        // acc[0][nt]: x rows 2j, 2j+1 (j = lane % 4) of output columns g and g + 8 of tile nt.
+        float* red = (float*)smem;
+        #pragma unroll 1
+        for (int kk = 0; kk < KW; ++kk)
+        {
+            if (kw == kk)
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                    {
+                        float* d = red + (2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2) + 8 * (e >> 1);
+                        *d = kk ? *d + acc[0][nt][e] : acc[0][nt][e];
+                    }
+            __syncthreads();
+        }
+        segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
+        return;
+    }
+    if constexpr (MODE == 2)
+    {
+        // Lane holds x row lane % 4 (hi, lo) of output columns g and g + 8 of each tile.
+        const float* mt = p.xmeta + ((size_t)(shard * p.mblocks + mb) * 8 + (lane & 3)) * 4;
+        const float sh = mt[0] * mul1_scale(), sl = mt[1] * mul1_scale();
+        const float off = (step0 == 0 && kw == 0) ? mt[2] * mul1_offset() : 0.f;
+        float* red = (float*)smem;
+        #pragma unroll 1
+        for (int kk = 0; kk < KW; ++kk)
+        {
+            if (kw == kk)
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                    {
+                        float* d = red + (lane & 3) * RLD + (nw * NT + nt) * 16 + (lane >> 2) + 8 * h;
+                        float v = (float)iacc[nt][2 * h] * sh + (float)iacc[nt][2 * h + 1] * sl + off;
+                        *d = kk ? *d + v : v;
+                    }
+            __syncthreads();
+        }
+        segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
+        return;
+    }
     if constexpr (I8)
     {
         // Back to floats: hi and lo rows recombine in-lane; the split holding k = 0 adds the offset term once.
@@ -608,7 +725,7 @@ EXL3_INLINE void for_each_segment(const GemmArgs& p, const int cols, const F& f)
 
 // Fixed split-k (grid = column blocks x splits x row blocks) or, as separate kernels, stream-k (grid.x = p.stream
 // blocks, block b owning units [b*U/G, (b+1)*U/G) of U = column blocks x stages).
-template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, bool I8 = false, bool STREAM = false, bool WG = false>
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE = 0, bool STREAM = false, bool WG = false>
 __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
 {
     const int mb = blockIdx.z;
@@ -630,8 +747,8 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         }
 #endif
         if constexpr (!WG)
-            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, I8>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
-                                                               ncontrib);
+            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, MODE>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
+                                                                 ncontrib);
     };
     for_each_segment<KS, STREAM>(p, WG ? 64 * NT : 128, [&](int cb, int split, int step0, int nstages, int ncontrib) {
         segment(cb, split, step0, nstages, ncontrib);
@@ -906,19 +1023,29 @@ EXL3_TIER(m32, 32, 4, 4, 8, 4)
 EXL3_TIER(m64, 64, 2, 4, 8, 3)
 EXL3_TIER(m128, 128, 1, 2, 4, 3)
 
-#if EXL3_CB == 2
 // Stream-k twins keep two resident blocks (128 registers) where K allows, enough warps to hide the decode latency.
 constexpr int MINB_STREAM = KA <= 6 ? 2 : 1;
 
-// Up to 8 rows of int8 activations (hi and lo parts as the 16 MMA rows) against the mul1 product bytes.
-extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_i8_f16(const GemmArgs p)
-{ extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, true>(p, smem); }
-extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_i8_bf16(const GemmArgs p)
-{ extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, true>(p, smem); }
-extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_i8s_f16(const GemmArgs p)
-{ extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, true, true>(p, smem); }
-extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_i8s_bf16(const GemmArgs p)
-{ extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, true, true>(p, smem); }
+// Tiers over 8-row blocks of x (MODE as in gemm_segment): 8 warps, 4 tiles each, 4 k-warps, 8 k16 steps, 4 stages.
+#define EXL3_ROW8_TIER(NAME, MODE) \
+    extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##_f16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, MODE>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##_bf16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, MODE>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_##NAME##s_f16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, MODE, true>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_##NAME##s_bf16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, MODE, true>(p, smem); }
+// h8: 8 rows of x as the MMA's n against 16 weight columns as its A operand (one MMA per tile for mul1, two for
+// 3inst / mcg, against 2 or 4 with x as A).
+EXL3_ROW8_TIER(h8, 3)
+
+#if EXL3_CB == 2
+
+// int8 activations against the mul1 product bytes: i8 = up to 8 rows (hi and lo parts as the 16 MMA rows), i4 = up
+// to 4 rows with the weights as the MMA's A operand (16 columns per MMA instead of 8: half the MMAs per tile).
+EXL3_ROW8_TIER(i8, 1)
+EXL3_ROW8_TIER(i4, 2)
 #endif
 
 #ifdef EXL3_WGMMA
