@@ -95,6 +95,22 @@ def test_plan_int8_tier(monkeypatch):
         kop.plan(5, 4096, 4096, 4, 132, codebook=2)
 
 
+def test_plan_int8_segments_within_int32(monkeypatch):
+    """An int8-tier segment sums at most 16384 k in int32 (127 x 1020 per weight cannot overflow), fixed or stream-k."""
+    for k, n, force_splits in ((28672, 8192, None), (32768, 65536, None), (32768, 4096, "1"), (28672, 28672, None)):
+        if force_splits:
+            monkeypatch.setenv("EXL3_VLLM_SPLITS", force_splits)
+        for m in (1, 4, 8):
+            p = kop.plan(m, k, n, 4, 132, codebook=2)
+            assert p.tier in ("i4", "i8")
+            if p.stream:
+                units = (n // 128) * (k // 16 // 8)
+                assert -(-units // p.stream) * 8 <= kop.INT8_SEGMENT_STEPS, (k, n, m, p)
+            else:
+                assert p.steps_per_split <= kop.INT8_SEGMENT_STEPS, (k, n, m, p)
+        monkeypatch.delenv("EXL3_VLLM_SPLITS", raising=False)
+
+
 def test_extra_defines_env(monkeypatch):
     """EXL3_VLLM_EXTRA_DEFINES adds compile-time defines (own module and cache key) for A/B runs of kernel variants."""
     from exl3_vllm.kernels.variants import linear_defines
@@ -150,7 +166,8 @@ def test_tune_buckets_and_candidates():
     assert tune.candidates(hopper, 4, 4096, 4, 2, 4096) == ["i4", "i8", "h8", "w16", "m16"]
     assert tune.candidates(hopper, 8, 4096, 4, 2, 4096) == ["i8", "h8", "w16", "m16"]
     assert tune.candidates(hopper, 8, 4096, 4, 1, 4096) == ["h8", "w16", "m16"]
-    assert tune.candidates(hopper, 9, 4096, 4, 1, 4096) == ["w16", "m16"]
+    assert tune.candidates(hopper, 9, 4096, 4, 1, 4096) == ["h16", "w16", "m16"]
+    assert tune.candidates(hopper, 17, 4096, 4, 1, 4096) == ["w32", "m32"]
     assert tune.candidates(hopper, 32, 4096, 4, 1, 4096) == ["w32", "x64", "m32", "dequant"]
     assert tune.candidates(hopper, 64, 4096, 4, 1, 4096) == ["w64", "x64", "x128", "m64", "dequant"]
     assert tune.candidates(hopper, 64, 4096, 4, 1, 128) == ["w64n", "x64", "x128", "m64", "dequant"]

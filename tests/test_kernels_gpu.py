@@ -90,7 +90,7 @@ WG_VARIANTS = [(4, 2), (4, 1), (3, 0), (2.5, 2), (8, 2), (1, 1)]
 
 
 @pytest.mark.parametrize("tier", ["w16", "w32", "w64", "w128", "w64n", "w128n", "x64", "x128", "x256",
-                                  "m16", "m32", "m64", "m128", "h8", "dequant"])
+                                  "m16", "m32", "m64", "m128", "h8", "h16", "dequant"])
 def test_tiers_forced(tier, monkeypatch):
     """Each tier (the Hopper wgmma ones on sm_90), forced, at partial/whole/multiple row blocks, fused shards, split-k,
     stream-k (tiers with a stream twin, on a layer whose column blocks leave a partial wave) and one split: the

@@ -77,6 +77,10 @@ class Plan:
     stream: int = 0       # >0: stream-k grid size (blocks sharing column-block x stage units evenly)
 
 
+# k16 steps one int8-tier segment may sum in int32: |x| <= 127 times a product byte sum <= 1020 per weight, 16384 k.
+INT8_SEGMENT_STEPS = 1024
+
+
 def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
     """The mul1 integer tier: few rows, the row's input transform fits in shared memory, no int32 overflow."""
     return (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit and k <= 65536
@@ -147,6 +151,8 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     fs = os.environ.get("EXL3_VLLM_SPLITS")
     if fs:
         splits = max(1, min(int(fs), ktiles // tier.ks))
+    if tier.int8:
+        splits = max(splits, -(-ktiles // INT8_SEGMENT_STEPS))
     steps = -(-ktiles // splits)
     steps = -(-steps // tier.ks) * tier.ks
     splits = -(-ktiles // steps)
@@ -157,7 +163,10 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         # A partial last wave (224 column blocks x 2 splits on 264 slots: 85%) idles SMs; stream-k gives every
         # resident block the same number of (column block, stage) units instead.
         units = (n_total // tier.cols) * (ktiles // tier.ks)
-        return Plan("gemm", tier.name, splits, steps, stream=max(1, min(slots // mblocks, units)))
+        stream = max(1, min(slots // mblocks, units))
+        if tier.int8:  # a block's units of one column block are one segment: keep them within the int32 bound
+            stream = max(stream, -(-units * tier.ks // INT8_SEGMENT_STEPS))
+        return Plan("gemm", tier.name, splits, steps, stream=stream)
     return Plan("gemm", tier.name, splits, steps)
 
 

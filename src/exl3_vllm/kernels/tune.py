@@ -109,8 +109,8 @@ def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) ->
     out = []
     if int8_ok(m, k, codebook, d.smem_limit):
         out += ["i4", "i8"] if m <= TIERS["i4"].bm else ["i8"]
-    if m <= TIERS["h8"].bm:
-        out.append("h8")
+    if m <= TIERS["h16"].bm:
+        out.append("h8" if m <= TIERS["h8"].bm else "h16")
     if wg_enabled(d.arch) and m <= 128:
         out.append(wg_tier(m, bits, d.smem_limit, col_align).name)
     if ws_enabled(d.arch) and m >= 32:

@@ -49,7 +49,7 @@ class Tier:
         return max(self.stages * stage, self.bm * 132 * 4)
 
 
-# Must match the EXL3_TIER / EXL3_I8_TIER / EXL3_WG_TIER / EXL3_WS_TIER lines of exl3_linear.cu.
+# Must match the EXL3_TIER / EXL3_FEW_TIER / EXL3_WG_TIER / EXL3_WS_TIER lines of exl3_linear.cu.
 TIERS = {t.name: t for t in (
     Tier("m16", 16, 8, 8, 8, 4),
     Tier("m32", 32, 4, 4, 8, 4),
@@ -58,6 +58,7 @@ TIERS = {t.name: t for t in (
     Tier("i8", 8, 4, 4, 8, 4, int8=True, stream=True),
     Tier("i4", 4, 4, 4, 8, 4, int8=True, stream=True, xb=True),
     Tier("h8", 8, 4, 4, 8, 4, stream=True, xb=True),
+    Tier("h16", 16, 4, 4, 8, 4, stream=True, xb=True),
     Tier("w16", 16, 1, 1, 8, 4, wg=2),
     Tier("w32", 32, 1, 1, 8, 4, wg=2, stream=True),
     Tier("w64", 64, 1, 1, 4, 4, wg=4, stream=True),

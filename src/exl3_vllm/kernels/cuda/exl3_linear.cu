@@ -271,7 +271,7 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
 // One (column block, k range) segment: pipelined decode + mma, fixed-order k-warp reduction, then the epilogue
 // directly (ncontrib == 1), through split slots (mode 1) or through atomics with the last arriving block finishing.
 // MODE: 0 = fp16, x as the MMA's A operand; 1 = int8 x as A (i8); 2 = int8 with the weights as A (i4); 3 = fp16 with
-// the weights as A (h8: 8 rows of x as the MMA's n).
+// the weights as A (h8, h16: each 8 rows of x are one MMA's n).
 template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE>
 __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trellis, const u16* svh, char* smem,
                                              const int cb, const int split, const int mb, const int step0,
@@ -281,7 +281,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     constexpr int NWARPS = NWN * KW;
     constexpr int THREADS = 32 * NWARPS;
     constexpr bool I8 = MODE == 1 || MODE == 2;
-    constexpr int MT = I8 || MODE == 3 ? 1 : BM / 16;
+    constexpr int MT = I8 ? 1 : MODE == 3 ? BM / 8 : BM / 16;
     constexpr int W32 = TL::W32;
     constexpr int NW = TL::NW;
     constexpr int B_STEP = 8 * W32;
@@ -291,7 +291,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     constexpr int A_STAGE = I8 ? KS * 128 : BM * A_LD;
     static_assert(KS % KW == 0, "each k-warp takes whole steps of a stage");
     static_assert(!I8 || (BM == 8 && CB == 2), "the int8 path is mul1 with 8 rows");
-    static_assert(MODE != 3 || BM == 8, "h8 takes 8 rows of x as the MMA's n");
+    static_assert(MODE != 3 || (BM == 8 || BM == 16), "h8 / h16: 8 rows of x per MMA n");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
@@ -377,14 +377,20 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
             }
             if constexpr (MODE == 3)
             {
-                // Weights as the A operand (16 columns per MMA), x row lane / 4 as MMA column n: this lane's x at k
-                // offsets (2j, 2j+1) and (8+2j, 9+2j), j = lane % 4.
-                const u16* xr = bA + (lane >> 2) * A_LD + i * 16 + 2 * (lane & 3);
-                const u32 xa = *(const u32*)xr, xb = *(const u32*)(xr + 8);
-                // 3inst / mcg: each weight is two fp16 halves summed, so the raw word is an A pair against x repeated
-                // (the tensor cores add the halves; two MMAs per tile); mul1: one MMA per tile.
-                const u32 x0 = prmt(xa, 0u, 0x1010), x1 = prmt(xa, 0u, 0x3232);
-                const u32 x2 = prmt(xb, 0u, 0x1010), x3 = prmt(xb, 0u, 0x3232);
+                // Weights as the A operand (16 columns per MMA), x row 8 nb + lane / 4 as MMA column n: this lane's x
+                // at k offsets (2j, 2j+1) and (8+2j, 9+2j), j = lane % 4.
+                u32 xa[MT], xb[MT], x0[MT], x1[MT], x2[MT], x3[MT];
+                #pragma unroll
+                for (int nb = 0; nb < MT; ++nb)
+                {
+                    const u16* xr = bA + (nb * 8 + (lane >> 2)) * A_LD + i * 16 + 2 * (lane & 3);
+                    xa[nb] = *(const u32*)xr;
+                    xb[nb] = *(const u32*)(xr + 8);
+                    // 3inst / mcg: a weight is two fp16 halves summed, so the raw word is an A pair against x repeated
+                    // (the tensor cores add the halves: two MMAs per tile and 8 rows); mul1: one.
+                    x0[nb] = prmt(xa[nb], 0u, 0x1010); x1[nb] = prmt(xa[nb], 0u, 0x3232);
+                    x2[nb] = prmt(xb[nb], 0u, 0x1010); x3[nb] = prmt(xb[nb], 0u, 0x3232);
+                }
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                 {
@@ -398,15 +404,20 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                     {
                         u32 b[4];
                         states_to_frag<CB>(st, b);
-                        mma_16816(acc[0][nt], {b[0], b[2], b[1], b[3]}, xa, xb);
+                        #pragma unroll
+                        for (int nb = 0; nb < MT; ++nb) mma_16816(acc[nb][nt], {b[0], b[2], b[1], b[3]}, xa[nb], xb[nb]);
                     }
                     else
                     {
                         u32 h[8];
                         #pragma unroll
                         for (int q = 0; q < 8; ++q) h[q] = cb_halves<CB>(st[q]);
-                        mma_16816(acc[0][nt], {h[0], h[4], h[1], h[5]}, x0, x1);
-                        mma_16816(acc[0][nt], {h[2], h[6], h[3], h[7]}, x2, x3);
+                        #pragma unroll
+                        for (int nb = 0; nb < MT; ++nb)
+                        {
+                            mma_16816(acc[nb][nt], {h[0], h[4], h[1], h[5]}, x0[nb], x1[nb]);
+                            mma_16816(acc[nb][nt], {h[2], h[6], h[3], h[7]}, x2[nb], x3[nb]);
+                        }
                     }
                 }
                 continue;
@@ -464,20 +475,23 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     __syncthreads();
     if constexpr (MODE == 3)
     {
-        // acc[0][nt]: x rows 2j, 2j+1 (j = lane % 4) of output columns g and g + 8 of tile nt.
+        // acc[nb][nt]: x rows 8 nb + 2j, 8 nb + 2j + 1 (j = lane % 4) of output columns g and g + 8 of tile nt.
         float* red = (float*)smem;
         #pragma unroll 1
         for (int kk = 0; kk < KW; ++kk)
         {
             if (kw == kk)
                 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                for (int nb = 0; nb < MT; ++nb)
                     #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                    {
-                        float* d = red + (2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2) + 8 * (e >> 1);
-                        *d = kk ? *d + acc[0][nt][e] : acc[0][nt][e];
-                    }
+                    for (int nt = 0; nt < NT; ++nt)
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                        {
+                            float* d = red + (nb * 8 + 2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2)
+                                     + 8 * (e >> 1);
+                            *d = kk ? *d + acc[nb][nt][e] : acc[nb][nt][e];
+                        }
             __syncthreads();
         }
         segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
@@ -1026,26 +1040,27 @@ EXL3_TIER(m128, 128, 1, 2, 4, 3)
 // Stream-k twins keep two resident blocks (128 registers) where K allows, enough warps to hide the decode latency.
 constexpr int MINB_STREAM = KA <= 6 ? 2 : 1;
 
-// Tiers over 8-row blocks of x (MODE as in gemm_segment): 8 warps, 4 tiles each, 4 k-warps, 8 k16 steps, 4 stages.
-#define EXL3_ROW8_TIER(NAME, MODE) \
+// Few-row tiers (MODE as in gemm_segment) over BM rows of x: 8 warps, 4 tiles each, 4 k-warps, 8 k16 steps, 4 stages.
+#define EXL3_FEW_TIER(NAME, BM, MODE) \
     extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##_f16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, MODE>(p, smem); } \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, false, MODE>(p, smem); } \
     extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##_bf16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, MODE>(p, smem); } \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, true, MODE>(p, smem); } \
     extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_##NAME##s_f16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, false, MODE, true>(p, smem); } \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, false, MODE, true>(p, smem); } \
     extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_##NAME##s_bf16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<8, 4, 4, 8, 4, true, MODE, true>(p, smem); }
-// h8: 8 rows of x as the MMA's n against 16 weight columns as its A operand (one MMA per tile for mul1, two for
-// 3inst / mcg, against 2 or 4 with x as A).
-EXL3_ROW8_TIER(h8, 3)
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, true, MODE, true>(p, smem); }
+// h8 / h16: each 8 rows of x as the MMA's n against 16 weight columns as its A operand (per 8 rows and tile one MMA
+// for mul1, two for 3inst / mcg whose weight halves the MMA adds: no fp16 packing in the decode).
+EXL3_FEW_TIER(h8, 8, 3)
+EXL3_FEW_TIER(h16, 16, 3)
 
 #if EXL3_CB == 2
 
 // int8 activations against the mul1 product bytes: i8 = up to 8 rows (hi and lo parts as the 16 MMA rows), i4 = up
 // to 4 rows with the weights as the MMA's A operand (16 columns per MMA instead of 8: half the MMAs per tile).
-EXL3_ROW8_TIER(i8, 1)
-EXL3_ROW8_TIER(i4, 2)
+EXL3_FEW_TIER(i8, 8, 1)
+EXL3_FEW_TIER(i4, 8, 2)
 #endif
 
 #ifdef EXL3_WGMMA
