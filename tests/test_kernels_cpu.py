@@ -156,6 +156,15 @@ def test_plan_wg_tiers(monkeypatch):
         kop.plan(33, 4096, 4096, 4, 132, arch=86)
 
 
+def test_tune_cache_key_follows_the_tier_set(monkeypatch):
+    """A tune cache timed with another set of tiers (an older build of the same version) is not reused."""
+    from exl3_vllm.kernels import tune, variants
+    tag = tune.tier_set_tag()
+    assert len(tag) == 8 and tag == tune.tier_set_tag()
+    monkeypatch.setattr(variants, "TIERS", {**variants.TIERS, "zz": variants.TIERS["m16"]})
+    assert tune.tier_set_tag() != tag
+
+
 def test_tune_buckets_and_candidates():
     """The measured dispatch's row buckets and the paths it times per bucket (no GPU needed to list them)."""
     from types import SimpleNamespace

@@ -2,12 +2,13 @@
 
 prepare() times the candidates (the int8 tier, the Hopper wgmma tier, the mma.sync tier, dequantize + cuBLAS) on
 random data of the layer's shape at each bucket of rows up to the layer's max_m, outside any graph capture, and
-keeps the winner in memory and in a JSON file per (GPU, driver, CUDA, NVRTC, package version). A call with m rows
+keeps the winner in memory and in a JSON file per (GPU, driver, CUDA, NVRTC, package version, tier set). A call with m rows
 uses the choice of the smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -43,6 +44,12 @@ def layer_key(k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
     return f"{k}x{n_total}-K{bits:g}-cb{codebook}-s{'_'.join(str(s) for s in sizes)}"
 
 
+def tier_set_tag() -> str:
+    """A short digest of the kernel tiers this build can dispatch to: a cache file timed with another set is not read."""
+    from .variants import TIERS
+    return hashlib.sha1(",".join(sorted(TIERS)).encode()).hexdigest()[:8]
+
+
 def device_key(index: int) -> str:
     from .. import __version__
     from .nvrtc import _driver
@@ -54,7 +61,8 @@ def device_key(index: int) -> str:
         drv = "na"
     nv = ".".join(str(v) for v in nvrtc_version())
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{props.name}-sm{props.major}{props.minor}-drv{drv}-"
-                                            f"cuda{torch.version.cuda}-nvrtc{nv}-exl3vllm{__version__}")
+                                            f"cuda{torch.version.cuda}-nvrtc{nv}-exl3vllm{__version__}-"
+                                            f"tiers{tier_set_tag()}")
 
 
 def _path(index: int) -> Path:
