@@ -314,39 +314,26 @@ def test_deterministic_forced_hopper_tier(tier, monkeypatch):
     (never the atomics or stream-k), exact against the reference and bit-identical over 20 runs."""
     if torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip("the wg tiers are sm_90a only")
-    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
-    monkeypatch.setenv("EXL3_VLLM_TIER", tier)
-    gen = torch.Generator(device=DEV).manual_seed(31)
-    k, sizes, cb = 4096, [256, 256], 2
-    n = sum(sizes)
-    m = kop.TIERS[tier].bm + 3
-    trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    p = kop.plan(m, k, n, 4, sms, max(sizes), codebook=cb, arch=90, col_align=256)
-    assert p.tier == tier and p.splits > 1 and not p.stream, p
-    x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
-    ref = x.double() @ _dense64(trellis, suh, svh, cb, sizes) + bias.double()
-    first = torch.full((m, n), float("nan"), dtype=x.dtype, device=DEV)
-    kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb, out=first)
-    torch.cuda.synchronize()
-    err = _rel(first, ref)
-    _report(f"deterministic {tier} forced (splits {p.splits}, m={m}): rel_err={err:.3e}")
-    assert err <= TOL + _rel(ref.to(x.dtype), ref)
-    for _ in range(19):
-        assert torch.equal(kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb), first)
+    _check_deterministic_forced(monkeypatch, tier, kop.TIERS[tier].bm + 3, 31, arch=90, col_align=256)
 
 
 @pytest.mark.parametrize("tier,m", [("i4", 3), ("i8", 7)])
 def test_deterministic_int8_tiers(tier, m, monkeypatch):
     """Deterministic mode with an int8 tier forced: split slots + reduction kernel, exact and bit-identical over 20 runs."""
+    _check_deterministic_forced(monkeypatch, tier, m, 37 + m)
+
+
+def _check_deterministic_forced(monkeypatch, tier, m, seed, **plan_kw):
+    """Deterministic mode with `tier` forced on a fused 4096 x [256, 256] layer: split slots and the reduction kernel
+    (never atomics or stream-k), exact against the reference and bit-identical over 20 runs."""
     monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
     monkeypatch.setenv("EXL3_VLLM_TIER", tier)
-    gen = torch.Generator(device=DEV).manual_seed(37 + m)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     k, sizes, cb = 4096, [256, 256], 2
     n = sum(sizes)
     trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    p = kop.plan(m, k, n, 4, sms, max(sizes), codebook=cb)
+    p = kop.plan(m, k, n, 4, sms, max(sizes), codebook=cb, **plan_kw)
     assert p.tier == tier and p.splits > 1 and not p.stream, p
     x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
     ref = x.double() @ _dense64(trellis, suh, svh, cb, sizes) + bias.double()

@@ -48,11 +48,11 @@ def moe_plan(tokens: int, topk: int, n_experts: int, k13: int, n13: int, k2: int
     active = max(1, min(n_experts, pairs))
     avg = pairs / active
     force = os.environ.get("EXL3_VLLM_TIER", "")
-    fp16 = [t for t in TIERS.values() if not t.int8 and not t.wg and not t.xb and all(t.smem(b) <= smem_limit for b in bits)]
+    fp16 = [t for t in TIERS.values() if t.experts and not t.int8 and all(t.smem(b) <= smem_limit for b in bits)]
     if force and force != "dequant":
-        if force not in TIERS or TIERS[force].wg or TIERS[force].xb:
+        if force not in TIERS or not TIERS[force].experts:
             raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of the MoE tiers "
-                              f"{sorted(t for t in TIERS if not TIERS[t].wg and not TIERS[t].xb)}")
+                              f"{sorted(t for t in TIERS if TIERS[t].experts)}")
         tier = TIERS[force]
     elif (avg <= TIERS["i8"].bm and all(c == 2 for c in codebooks)
           and int8_ok(1, max(k13, k2), 2, smem_limit)):

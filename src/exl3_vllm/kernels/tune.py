@@ -2,8 +2,8 @@
 
 prepare() times the candidates (the int8 tier, the Hopper wgmma tier, the mma.sync tier, dequantize + cuBLAS) on
 random data of the layer's shape at each bucket of rows up to the layer's max_m, outside any graph capture, and
-keeps the winner in memory and in a JSON file per (GPU, driver, CUDA, NVRTC, package version, tier set). A call with m rows
-uses the choice of the smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
+keeps the winner in memory and in a JSON file per (GPU, driver, CUDA, NVRTC, package version, tier set). A call with
+m rows uses the choice of the smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ class Tier:
         return 128 * (self.wg + self.ws) if self.wg else 32 * (8 // self.nt) * self.kw
 
     @property
+    def experts(self) -> bool:
+        """The grouped-experts kernels can run it (mma.sync with x as the A operand, int8 or fp16)."""
+        return not self.wg and not self.xb
+
+    @property
     def cols(self) -> int:
         """Output columns per block (the grid's x is n / cols)."""
         return 64 * self.wg if self.wg else 128
