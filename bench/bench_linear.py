@@ -157,10 +157,10 @@ def main():
     for (k, n) in layers:
         if late():
             break
-        # bf16 baseline weights, rotated
+        # bf16 baseline weights, rotated, stored [n, k] and applied by F.linear as vLLM's unquantized layers do
         wb_bytes = k * n * 2
         nb = copies_for(wb_bytes, args.pool_gb, cap=args.calls)
-        wbs = [torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(nb)]
+        wbs = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(nb)]
         base = {}
         for bits, cbn in configs:
             big = (k, n) == (8192, 28672)
@@ -195,7 +195,7 @@ def main():
                     break
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 if m not in base:
-                    calls = [lambda wt=wt: torch.mm(x, wt) for wt in (wbs * args.calls)[:args.calls]]
+                    calls = [lambda wt=wt: torch.nn.functional.linear(x, wt) for wt in (wbs * args.calls)[:args.calls]]
                     base[m] = graph_time(calls, args.reps)
                 tb = base[m]
                 ts = (trs * (args.calls // len(trs) + 1))[:args.calls]

@@ -70,9 +70,10 @@ def test_every_m_dtype_and_shards(bits, cb):
         for m in MS:
             for dt in DTYPES:
                 x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
-                ref = x.double() @ w64 + (bias.double() if use_bias else 0)
+                b = bias.to(dt)  # vLLM's bias is in the model's dtype
+                ref = x.double() @ w64 + (b.double() if use_bias else 0)
                 out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
-                kop.linear_cuda(x, trellis, suh if len(sizes) > 1 else suh[0], svh, bias if use_bias else None,
+                kop.linear_cuda(x, trellis, suh if len(sizes) > 1 else suh[0], svh, b if use_bias else None,
                                 sizes, cb, out=out)
                 torch.cuda.synchronize()
                 err = _rel(out, ref)
@@ -118,9 +119,10 @@ def test_tiers_forced(tier, monkeypatch):
             for m in sorted({1, 9, bm - 1, bm, bm + 1, 2 * bm + 3}):
                 for dt in DTYPES:
                     x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
-                    ref = x.double() @ w64 + bias.double()
+                    b = bias.to(dt)
+                    ref = x.double() @ w64 + b.double()
                     out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
-                    kop.linear_cuda(x, trellis, suh if len(sizes) > 1 else suh[0], svh, bias, sizes, cb, out=out)
+                    kop.linear_cuda(x, trellis, suh if len(sizes) > 1 else suh[0], svh, b, sizes, cb, out=out)
                     torch.cuda.synchronize()
                     err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
                     worst = max(worst, err)
@@ -132,9 +134,9 @@ def test_tiers_forced(tier, monkeypatch):
 
 @pytest.mark.parametrize("svh_scale", [2e-3, 1.0, 800.0])
 def test_dequant_chunks_and_svh_range(svh_scale, monkeypatch):
-    """The large-M path with 256-column chunks (shards split across chunks) and svh from tiny to large, each
-    128-column group a different power of two: the per-group fp16 scale of W_hat (clamped to [2^-14, 1]) must cancel
-    exactly in the output pass."""
+    """The large-M path with 256-column chunks (shards split across chunks, each chunk's GEMM writing a column slice
+    of y in place) and svh from tiny to large, each 128-column group a different power of two: the reconstructed
+    dense weight (svh folded in, in x's dtype) must keep its precision at both ends."""
     monkeypatch.setenv("EXL3_VLLM_TIER", "dequant")
     k, sizes = 1024, [640, 384, 128]
     monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * k * 256))
@@ -149,9 +151,10 @@ def test_dequant_chunks_and_svh_range(svh_scale, monkeypatch):
         for m in (40, 300):
             for dt in DTYPES:
                 x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
-                ref = x.double() @ w64 + bias.double()
+                b = bias.to(dt)
+                ref = x.double() @ w64 + b.double()
                 out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
-                kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb, out=out)
+                kop.linear_cuda(x, trellis, suh, svh, b, sizes, cb, out=out)
                 torch.cuda.synchronize()
                 err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
                 worst = max(worst, err)
@@ -170,6 +173,7 @@ def test_measured_dispatch(tmp_path, monkeypatch):
     k, sizes = 2048, [1024, 256, 256]
     n = sum(sizes)
     trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
+    bias = bias.bfloat16()
     w64 = _dense64(trellis, suh, svh, 2, sizes)
     d = kop._dev(0)
     key = (0, tune.layer_key(k, n, 4, 2, sizes))
@@ -199,6 +203,7 @@ def test_split_k_large_k_and_op_path():
     gen = torch.Generator(device=DEV).manual_seed(7)
     k, n = 4096, 512
     trellis, suh, svh, bias = _layer(k, n, 4, 1, gen)
+    bias = bias.bfloat16()
     w64 = _dense64(trellis, suh, svh, 2, [n])
     for m in (1, 7, 16, 40, 64, 200, 300):
         x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()

@@ -13,12 +13,12 @@ import torch
 
 from . import nvrtc, tune
 from .nvrtc import KernelError
-from .variants import INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, TIERS, WG_ARCH, gemm_kernel_name, linear_defines
+from .variants import INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, RECON_SMEM, TIERS, WG_ARCH, gemm_kernel_name, linear_defines
 
 # Above this many rows the static plan takes dequantize + cuBLAS (EXL3_VLLM_LARGE_M overrides); the measured
 # dispatch (tune.py) may still pick a fused tier there.
 DEFAULT_LARGE_M = 128
-# Bytes of the fp16 weight scratch of the large-M path (EXL3_VLLM_DEQUANT_BYTES overrides).
+# Bytes of the dense weight scratch (x's dtype) of the large-M path (EXL3_VLLM_DEQUANT_BYTES overrides).
 DEFAULT_DEQUANT_BYTES = 128 << 20
 
 
@@ -238,7 +238,7 @@ def _dev(index: int) -> _Device:
 
 def _needs(p: Plan, m: int, k: int, n_total: int, shards: int) -> dict[str, int]:
     if p.path == "dequant":
-        return {"xh": shards * m * k, "wscratch": k * p.chunk, "zscratch": m * p.chunk}
+        return {"wscratch": k * p.chunk}
     tier = TIERS[p.tier]
     need = {"xq": shards * (k // 16) * 256, "xmeta": shards * 32} if tier.int8 else {"xh": shards * m * k}
     need["counters"] = -(-m // tier.bm) * (n_total // 128)
@@ -248,7 +248,7 @@ def _needs(p: Plan, m: int, k: int, n_total: int, shards: int) -> dict[str, int]
 
 
 _DTYPES = {"xh": torch.float16, "xq": torch.int8, "xmeta": torch.float32, "wscratch": torch.float16,
-           "zscratch": torch.float16, "counters": torch.int32, "ws_atomic": torch.float32, "ws_slots": torch.float32}
+           "counters": torch.int32, "ws_atomic": torch.float32, "ws_slots": torch.float32}
 _ZERO = {"counters", "ws_atomic"}
 
 
@@ -338,8 +338,6 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
         return y.reshape(*lead, n_total)
     suh = suh.contiguous()
     svh = svh.contiguous()
-    if bias is not None:
-        bias = bias.to(torch.float16).contiguous()
     d = _dev(x.device.index)
     S = len(sizes)
     p = plan_for(d, m, k, n_total, bits, codebook, sizes) if force is None else \
@@ -348,9 +346,14 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
     stream = torch.cuda.current_stream(x.device).cuda_stream
     bf = x.dtype == torch.bfloat16
-    tier = TIERS[p.tier] if p.path == "gemm" else None
+    if p.path == "dequant":
+        _dequant_path(d, lin, stream, x2, trellis, suh, svh, bias, sizes, y, k, n_total, p.chunk)
+        return y.reshape(*lead, n_total)
+    if bias is not None:
+        bias = bias.to(torch.float16).contiguous()
+    tier = TIERS[p.tier]
     xmeta = None
-    if tier is not None and tier.int8:
+    if tier.int8:
         xh = d.buf("xq", S * (k // 16) * 256, torch.int8)
         xmeta = d.buf("xmeta", S * 32, torch.float32)
         nvrtc.launch(io.function("exl3_input_i8_bf16" if bf else "exl3_input_i8_f16", 4 * k), (INT8_MAX_M, S, 1),
@@ -361,10 +364,6 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     else:
         xh = d.buf("xh", S * m * k, torch.float16)
         launch_input(d, io, stream, x2, suh, xh, m, k, S)
-
-    if p.path == "dequant":
-        _dequant_path(d, lin, io, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, p.chunk)
-        return y.reshape(*lead, n_total)
 
     det = deterministic()
     mblocks = -(-m // tier.bm)
@@ -408,41 +407,64 @@ def launch_input(d, io, stream, x2, suh, xh, m, k, S):
                   ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])
 
 
-def launch_decode_wt(d, lin, stream, trellis, svh, wt, n_total, c0, cols, k):
-    """wt[cols, k] = W_hat^T of columns c0..c0+cols, fp16, each 128-column group scaled by its power of two."""
-    units = (cols // 16) * (k // 128)
-    nvrtc.launch(lin.function("exl3_decode_wt"), (min(units, d.sms * 8), 1, 1), (256, 1, 1), 0, stream,
-                 [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(wt.data_ptr()),
-                  ctypes.c_int32(n_total), ctypes.c_int32(c0), ctypes.c_int32(cols), ctypes.c_int32(k)])
+def launch_recon(d, lin, stream, trellis, suh_s, svh, wt, n_total, c0, cols, k):
+    """wt[cols, k] = the dense weight W[:, c0:c0+cols] transposed, in wt's dtype (suh_s: the shard's suh)."""
+    units = (cols // 128) * (k // 128)
+    name = "exl3_recon_bf16" if wt.dtype == torch.bfloat16 else "exl3_recon_f16"
+    nvrtc.launch(lin.function(name, RECON_SMEM), (min(units, d.sms * 8), 1, 1), (256, 1, 1), RECON_SMEM, stream,
+                 [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_uint64(suh_s.data_ptr()),
+                  ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(wt.data_ptr()), ctypes.c_int32(n_total),
+                  ctypes.c_int32(c0), ctypes.c_int32(cols), ctypes.c_int32(k)])
 
 
-def launch_output(io, stream, z, svh, bias, y, c0):
-    """y[:, c0:c0+cols] = Hadamard-128(z) * svh / scale + bias in y's dtype, for z [m, cols] from the GEMM."""
-    m, cols = z.shape
-    es = y.element_size()
-    nvrtc.launch(io.function("exl3_output_bf16" if y.dtype == torch.bfloat16 else "exl3_output_f16"),
-                 (cols // 128, min(-(-m // 8), 64), 1), (256, 1, 1), 0, stream,
-                 [ctypes.c_uint64(z.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(cols),
-                  ctypes.c_uint64(svh.data_ptr() + 2 * c0), ctypes.c_uint64(_ptr(bias) and _ptr(bias) + 2 * c0),
-                  ctypes.c_uint64(y.data_ptr() + es * c0), ctypes.c_int32(y.shape[-1])])
+def _dequant_path(d, lin, stream, x2, trellis, suh, svh, bias, sizes, y, k, n_total, chunk):
+    """Per column chunk: the dense weight in x's dtype (both Hadamards, suh and svh folded in), then y's columns =
+    x @ W (+ bias) by cuBLAS straight into y: no pass over x or y besides the GEMM's own. The bias is added in x's
+    dtype here (vLLM passes it in the model's dtype, so that is exact there)."""
+    wbuf = d.buf("wscratch", k * chunk, torch.float16).view(x2.dtype)
+    suh2 = suh.view(-1, k)
+    if bias is not None:
+        bias = bias.to(x2.dtype)
+    saved = _fp32_reductions()
+    try:
+        col = 0
+        for s, width in enumerate(sizes):
+            for c0 in range(col, col + width, chunk):
+                cols = min(chunk, col + width - c0)
+                wt = wbuf[:cols * k].view(cols, k)
+                launch_recon(d, lin, stream, trellis, suh2[s], svh, wt, n_total, c0, cols, k)
+                if bias is None:
+                    torch.mm(x2, wt.t(), out=y[:, c0:c0 + cols])
+                else:
+                    torch.addmm(bias[c0:c0 + cols], x2, wt.t(), out=y[:, c0:c0 + cols])
+            col += width
+    finally:
+        _restore_reductions(saved)
 
 
-def _dequant_path(d, lin, io, stream, xh, trellis, svh, bias, sizes, y, m, k, n_total, chunk):
-    """Per column chunk: W_hat^T decoded without Hadamards, xh_s @ W_hat through cuBLAS (fp16), then the output
-    Hadamard, svh and bias in the output dtype: the Hadamard costs m x n instead of k x n."""
-    wbuf = d.buf("wscratch", k * chunk, torch.float16)
-    zbuf = d.buf("zscratch", m * chunk, torch.float16)
-    col = 0
-    for s, width in enumerate(sizes):
-        xs = xh[s * m * k:(s + 1) * m * k].view(m, k)
-        for c0 in range(col, col + width, chunk):
-            cols = min(chunk, col + width - c0)
-            wt = wbuf[:cols * k].view(cols, k)
-            launch_decode_wt(d, lin, stream, trellis, svh, wt, n_total, c0, cols, k)
-            z = zbuf[:m * cols].view(m, cols)
-            torch.mm(xs, wt.t(), out=z)
-            launch_output(io, stream, z, svh, bias, y, c0)
-        col += width
+_REDUCTION_FLAGS = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+
+
+def _fp32_reductions() -> list:
+    """Keep cuBLAS's split-k partial sums in fp32 for our GEMMs (torch lets it round them to fp16/bf16 by default: a
+    second rounding on top of the weight's on small GEMMs); returns the caller's settings for _restore_reductions."""
+    m = torch.backends.cuda.matmul
+    saved = []
+    for name in _REDUCTION_FLAGS:
+        v = getattr(m, name)
+        try:
+            v = (v, getattr(m, name + "_split_k"))
+        except AttributeError:
+            pass
+        saved.append(v)
+        setattr(m, name, False)
+    return saved
+
+
+def _restore_reductions(saved: list) -> None:
+    m = torch.backends.cuda.matmul
+    for name, v in zip(_REDUCTION_FLAGS, saved):
+        setattr(m, name, v)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,8 @@ TIERS = {t.name: t for t in (
 )}
 # The only arch whose build has the wg tiers (wgmma is Hopper's; NVRTC targets sm_90a there).
 WG_ARCH = 90
+# Dynamic shared memory of the large-M weight reconstruction (exl3_recon_*): a 128 x 128 fp32 unit, padded rows.
+RECON_SMEM = 128 * 132 * 4
 # Rows the int8 tier takes at most (hi and lo parts fill the 16 MMA rows).
 INT8_MAX_M = 8
 

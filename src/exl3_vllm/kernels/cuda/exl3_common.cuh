@@ -78,15 +78,6 @@ EXL3_INLINE u32 and_xor(u32 a, u32 b, u32 c) { u32 r; asm("lop3.b32 %0, %1, %2, 
 EXL3_INLINE u32 hadd2(u32 a, u32 b) { u32 r; asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
 EXL3_INLINE u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
 
-// fp16 bits of the large-M path's scale for one 128-column group (lane holds 4 of its svh): the power of two just
-// under max|svh|, clamped to [2^-14, 1], so W_hat * s keeps the fp16 GEMM output near the layer's output range.
-EXL3_INLINE u32 group_scale_bits(uint2 sv)
-{
-    const u32 a = max(max(sv.x & 0x7fffu, (sv.x >> 16) & 0x7fffu), max(sv.y & 0x7fffu, (sv.y >> 16) & 0x7fffu));
-    const u32 e = __reduce_max_sync(0xffffffffu, a) & 0x7c00u;
-    return min(max(e, 0x0400u), 0x3c00u);
-}
-
 EXL3_INLINE float ld_cg(const float* p) { float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p)); return v; }
 EXL3_INLINE void st_cg(float* p, float v) { asm volatile("st.global.cg.f32 [%0], %1;" :: "l"(p), "f"(v)); }
 EXL3_INLINE void red_add(float* p, float v) { asm volatile("red.global.add.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory"); }

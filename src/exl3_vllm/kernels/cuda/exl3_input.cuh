@@ -91,16 +91,37 @@ __device__ __forceinline__ void input_i8_body(const SRC& src, signed char* __res
     const float ih = 1.f / sh, il = 1.f / sl;
     signed char* base = xq + (size_t)(s * mblocks + mb) * (k >> 4) * 256;
     float sum = 0.f;
-    for (int e = threadIdx.x; e < k; e += blockDim.x)
+    // A thread per k16 step: its 16 hi and 16 lo bytes leave as two 16-byte stores.
+    for (int st = threadIdx.x; st < (k >> 4); st += blockDim.x)
     {
-        const float v = live ? xs[e] : 0.f;
-        const float qh = fminf(fmaxf(rintf(v * ih), -127.f), 127.f);
-        const float ql = fminf(fmaxf(rintf((v - qh * sh) * il), -127.f), 127.f);
-        sum += qh * sh + ql * sl;
-        const int o = e & 15, pos = 4 * ((o & 7) >> 1) + 2 * (o >> 3) + (o & 1);
-        signed char* d = base + (size_t)(e >> 4) * 256 + pos;
-        d[r * 16] = (signed char)(int)qh;
-        d[(8 + r) * 16] = (signed char)(int)ql;
+        float v[16];
+        #pragma unroll
+        for (int i = 0; i < 16; i += 4)
+        {
+            const float4 f = live ? *(const float4*)(xs + st * 16 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[i] = f.x; v[i + 1] = f.y; v[i + 2] = f.z; v[i + 3] = f.w;
+        }
+        u32 qh[16], ql[16];
+        #pragma unroll
+        for (int o = 0; o < 16; ++o)
+        {
+            const float h = fminf(fmaxf(rintf(v[o] * ih), -127.f), 127.f);
+            const float l = fminf(fmaxf(rintf((v[o] - h * sh) * il), -127.f), 127.f);
+            sum += h * sh + l * sl;
+            qh[o] = (u32)(int)h & 0xffu;
+            ql[o] = (u32)(int)l & 0xffu;
+        }
+        uint4 wh, wl;
+        u32* ph = (u32*)&wh;
+        u32* pl = (u32*)&wl;
+        #pragma unroll
+        for (int w = 0; w < 4; ++w)  // word w holds k offsets 2w, 2w + 1, 2w + 8, 2w + 9
+        {
+            ph[w] = qh[2 * w] | (qh[2 * w + 1] << 8) | (qh[2 * w + 8] << 16) | (qh[2 * w + 9] << 24);
+            pl[w] = ql[2 * w] | (ql[2 * w + 1] << 8) | (ql[2 * w + 8] << 16) | (ql[2 * w + 9] << 24);
+        }
+        *(uint4*)(base + (size_t)st * 256 + r * 16) = wh;
+        *(uint4*)(base + (size_t)st * 256 + (8 + r) * 16) = wl;
     }
     sum = block_sum(sum, red, false);
     if (threadIdx.x == 0)

@@ -45,32 +45,3 @@ extern "C" __global__ void __launch_bounds__(256) exl3_reduce_f16(const float* w
 { reduce_body<false>(ws, splits, m, n_total, svh, bias, out); }
 extern "C" __global__ void __launch_bounds__(256) exl3_reduce_bf16(const float* ws, int splits, int m, int n_total, const u16* svh, const u16* bias, u16* out)
 { reduce_body<true>(ws, splits, m, n_total, svh, bias, out); }
-
-// Large-M path epilogue: z [m, cols] fp16 from cuBLAS (scaled per 128-column group by exl3_decode_wt) -> Hadamard-128,
-// svh / scale, bias -> out (row stride ldo); svh, bias and out start at the chunk's first column. One warp per
-// (group, row), rows strided over grid.y.
-template <bool OUT_BF16>
-__device__ __forceinline__ void output_body(const u16* __restrict__ z, int m, int cols, const u16* __restrict__ svh,
-                                            const u16* __restrict__ bias, u16* __restrict__ out, int ldo)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int col = blockIdx.x * 128 + lane * 4;
-    float f[4], b[4] = {0.f, 0.f, 0.f, 0.f};
-    h2f4(svh + col, f);
-    const float inv = 1.f / h2f((u16)group_scale_bits(*(const uint2*)(svh + col)));
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] *= inv;
-    if (bias) h2f4(bias + col, b);
-    for (int row = blockIdx.y * 8 + warp; row < m; row += gridDim.y * 8)
-    {
-        float v[4];
-        h2f4(z + (size_t)row * cols + col, v);
-        had128_warp(v, lane);
-        store_fma4<OUT_BF16>(out + (size_t)row * ldo + col, v, f, b);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256) exl3_output_f16(const u16* z, int m, int cols, const u16* svh, const u16* bias, u16* out, int ldo)
-{ output_body<false>(z, m, cols, svh, bias, out, ldo); }
-extern "C" __global__ void __launch_bounds__(256) exl3_output_bf16(const u16* z, int m, int cols, const u16* svh, const u16* bias, u16* out, int ldo)
-{ output_body<true>(z, m, cols, svh, bias, out, ldo); }

@@ -1106,46 +1106,140 @@ EXL3_WS_STREAM(x128, 128, 2, 4, 4)
 EXL3_WS_STREAM(x256, 256, 1, 4, 3)
 #endif
 
-// Large-M path: trellis -> W_hat^T (no Hadamard) for columns col0..col0+cols, wt[c][k] fp16 with k contiguous so cuBLAS
-// reads it as the transposed operand; each 128-column group is scaled by group_scale_bits (exact: a power of two) and
-// exl3_output divides it back out. A unit is 16 columns x 128 k: one tile per warp, staged in shared memory so every
-// row leaves as 256 contiguous bytes.
-extern "C" __global__ void __launch_bounds__(256) exl3_decode_wt(const u32* __restrict__ trellis, const u16* __restrict__ svh,
-                                                                u16* __restrict__ wt, int n_total, int col0, int cols, int k)
+// Large-M path: the dense weight (both Hadamards, suh and svh folded in) of columns col0..col0+cols in the output
+// dtype as wt[c][k], k contiguous, so cuBLAS multiplies x by it directly and no pass over x or y is left. A block owns
+// a 128 k x 128 column unit; warp w decodes the eight 16x16 tiles of its 16-column strip and applies each tile's
+// 16-point Hadamards on both sides as two pairs of mmas with the +-1 matrix. The 8-point Hadamards across tiles (k)
+// and across strips (columns) run from shared memory.
+constexpr int RECON_LD = 132;  // padded fp32 row (variants.RECON_SMEM): conflict-free stores, 16-byte aligned float4s
+
+EXL3_INLINE u32 pack_f16x2(float lo, float hi) { u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }
+EXL3_INLINE u32 had16_pair(int i, int j0, int j1)  // fp16 (H16[i][j0], H16[i][j1]), H16[i][j] = (-1)^popc(i & j)
 {
-    constexpr int LD = 136;  // padded row (halves): 16-byte aligned rows, conflict-free fragment stores
-    __shared__ __align__(16) u16 sw[2][16 * LD];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int kb = k >> 7;
-    const int units = (cols >> 4) * kb;
-    LaneMap<KA, HALF> lm;
-    lm.init(lane);
-    const int g = lane >> 2, t = lane & 3;
-    int buf = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x, buf ^= 1)
+    return ((__popc(i & j0) & 1) ? 0xBC00u : 0x3C00u) | (((__popc(i & j1) & 1) ? 0xBC00u : 0x3C00u) << 16);
+}
+// The 8-point Sylvester Hadamard (unscaled) over v[0..7], 4 values each.
+EXL3_INLINE void had8x4(float (&v)[8][4])
+{
+    #pragma unroll
+    for (int S = 1; S < 8; S <<= 1)
+    #pragma unroll
+    for (int s = 0; s < 8; ++s)
+        if (!(s & S))
+        {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) { const float a = v[s][i], b = v[s | S][i]; v[s][i] = a + b; v[s | S][i] = a - b; }
+        }
+}
+EXL3_INLINE void ld8x4(const float* p, int stride, float (&v)[8][4])
+{
+    #pragma unroll
+    for (int s = 0; s < 8; ++s)
     {
-        const int c16 = u / kb, k128 = u - c16 * kb;
-        const int col = col0 + c16 * 16;
-        const u32* tw = trellis + ((size_t)(k128 * 8 + warp) * (n_total >> 4) + (col >> 4)) * TL::W32;
-        u32 w[TL::NW];
-        #pragma unroll
-        for (int q = 0; q < TL::NW; ++q) w[q] = __ldg(tw + lm.idx[q]);
-        const u32 sb = group_scale_bits(__ldg((const uint2*)(svh + (col & ~127) + lane * 4)));
-        const u32 s2 = sb | (sb << 16);
-        u32 st[8], b[4];
-        lane_states<KA, HALF>(w, lm.off, st);
-        states_to_frag<CB>(st, b);
-        u32* sd = (u32*)(sw[buf] + warp * 16 + 2 * t);
-        // b[p] holds k rows (2t, 2t+1) + 8 (p & 1) of column g + 8 (p >> 1) (FORMAT.md 3.4): adjacent in W_hat^T
-        sd[g * (LD / 2)] = hmul2(b[0], s2);
-        sd[g * (LD / 2) + 4] = hmul2(b[1], s2);
-        sd[(g + 8) * (LD / 2)] = hmul2(b[2], s2);
-        sd[(g + 8) * (LD / 2) + 4] = hmul2(b[3], s2);
-        __syncthreads();
-        const int r = threadIdx.x >> 4, c = threadIdx.x & 15;
-        *(uint4*)(wt + (size_t)(col - col0 + r) * k + k128 * 128 + c * 8) = *(const uint4*)(sw[buf] + r * LD + c * 8);
+        const float4 f = *(const float4*)(p + s * stride);
+        v[s][0] = f.x; v[s][1] = f.y; v[s][2] = f.z; v[s][3] = f.w;
     }
 }
+
+template <bool OUT_BF16>
+__device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, const u16* __restrict__ suh,
+                                           const u16* __restrict__ svh, u16* __restrict__ wt, int n_total, int col0,
+                                           int cols, int k)
+{
+    extern __shared__ __align__(16) float xs[];  // [8 strips][16 columns][RECON_LD (k)], fp32
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    LaneMap<KA, HALF> lm;
+    lm.init(lane);
+    // H16 as the A operand (rows: k out, columns: k in); H16 is symmetric, so {ha[0], ha[2]} and {ha[1], ha[3]} are
+    // its B fragments for columns 0-7 and 8-15.
+    const u32 ha[4] = {had16_pair(g, 2 * t, 2 * t + 1), had16_pair(g + 8, 2 * t, 2 * t + 1),
+                       had16_pair(g, 2 * t + 8, 2 * t + 9), had16_pair(g + 8, 2 * t + 8, 2 * t + 9)};
+    const int kb = k >> 7, units = (cols >> 7) * kb;
+    const size_t tile_row = (size_t)(n_total >> 4) * TL::W32;  // words between k16 rows of tiles
+    for (int u = blockIdx.x; u < units; u += gridDim.x)
+    {
+        const int cu = u / kb, ku = u - cu * kb;
+        const u32* tw = trellis + (size_t)ku * 8 * tile_row + (size_t)((col0 >> 4) + cu * 8 + warp) * TL::W32;
+        __syncthreads();  // the previous unit's reads of xs are done
+        float* xw = xs + warp * 16 * RECON_LD;
+        #pragma unroll 2
+        for (int j = 0; j < 8; ++j)
+        {
+            u32 w[TL::NW];
+            #pragma unroll
+            for (int q = 0; q < TL::NW; ++q) w[q] = __ldg(tw + j * tile_row + lm.idx[q]);
+            u32 st[8], b[4];
+            lane_states<KA, HALF>(w, lm.off, st);
+            states_to_frag<CB>(st, b);
+            float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            mma_16816(d[0], ha, b[0], b[1]);  // H16 . tile (exact: 16 fp16 terms in fp32)
+            mma_16816(d[1], ha, b[2], b[3]);
+            // The accumulator layout is the A fragment's: (H16 . tile) . H16 with one fp16 rounding in between.
+            const u32 a[4] = {pack_f16x2(d[0][0], d[0][1]), pack_f16x2(d[0][2], d[0][3]),
+                              pack_f16x2(d[1][0], d[1][1]), pack_f16x2(d[1][2], d[1][3])};
+            float e[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            mma_16816(e[0], a, ha[0], ha[2]);
+            mma_16816(e[1], a, ha[1], ha[3]);
+            // e[h][i]: k 16j + g + 8 (i >> 1), strip column 8h + 2t + (i & 1)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) xw[(8 * h + 2 * t + (i & 1)) * RECON_LD + 16 * j + g + 8 * (i >> 1)] = e[h][i];
+        }
+        __syncthreads();
+        // The 8-point Hadamard over the tiles (k bits 4-6), in place: 512 items (strip, column, 4 k of a tile).
+        #pragma unroll
+        for (int r = 0; r < 2; ++r)
+        {
+            const int it = threadIdx.x + 256 * r;
+            float* p = xs + ((it >> 6) * 16 + (it & 15)) * RECON_LD + ((it >> 4) & 3) * 4;
+            float v[8][4];
+            ld8x4(p, 16, v);
+            had8x4(v);
+            #pragma unroll
+            for (int s = 0; s < 8; ++s) *(float4*)(p + 16 * s) = make_float4(v[s][0], v[s][1], v[s][2], v[s][3]);
+        }
+        __syncthreads();
+        // The 8-point Hadamard over the strips (column bits 4-6), scales, output: 512 items (column of every strip,
+        // 4 k); a warp writes 256 contiguous bytes of one wt row per strip.
+        #pragma unroll
+        for (int r = 0; r < 2; ++r)
+        {
+            const int it = threadIdx.x + 256 * r, c = it >> 5, kq = (it & 31) * 4;
+            float v[8][4];
+            ld8x4(xs + c * RECON_LD + kq, 16 * RECON_LD, v);
+            had8x4(v);
+            float fk[4];
+            h2f4(suh + ku * 128 + kq, fk);
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) fk[i] *= 0.0078125f;  // both Hadamards' 1/sqrt(128)
+            #pragma unroll
+            for (int s = 0; s < 8; ++s)
+            {
+                const int n = cu * 128 + s * 16 + c;
+                const float fn = h2f(__ldg(svh + col0 + n));
+                uint2 o;
+                o.x = f2st<OUT_BF16>(v[s][0] * fk[0] * fn) | ((u32)f2st<OUT_BF16>(v[s][1] * fk[1] * fn) << 16);
+                o.y = f2st<OUT_BF16>(v[s][2] * fk[2] * fn) | ((u32)f2st<OUT_BF16>(v[s][3] * fk[3] * fn) << 16);
+                *(uint2*)(wt + (size_t)n * k + ku * 128 + kq) = o;
+            }
+        }
+    }
+}
+
+// As many blocks per SM as their shared memory allows (H100/H200 3, A100 2, the ~100 KB parts 1) to hide the trellis
+// loads; on Hopper K=8's wider windows take two blocks' register budget.
+#if __CUDA_ARCH__ == 900
+constexpr int RECON_MINB = KA >= 8 ? 2 : 3;
+#elif __CUDA_ARCH__ == 800
+constexpr int RECON_MINB = 2;
+#else
+constexpr int RECON_MINB = 1;
+#endif
+extern "C" __global__ void __launch_bounds__(256, RECON_MINB) exl3_recon_f16(const u32* trellis, const u16* suh, const u16* svh, u16* wt, int n_total, int col0, int cols, int k)
+{ recon_body<false>(trellis, suh, svh, wt, n_total, col0, cols, k); }
+extern "C" __global__ void __launch_bounds__(256, RECON_MINB) exl3_recon_bf16(const u32* trellis, const u16* suh, const u16* svh, u16* wt, int n_total, int col0, int cols, int k)
+{ recon_body<true>(trellis, suh, svh, wt, n_total, col0, cols, k); }
 
 // Decode-only pass for the benchmark floor: every weight decoded to a B fragment, folded into one word per thread.
 extern "C" __global__ void __launch_bounds__(256) exl3_decode_sum(const u32* __restrict__ trellis, long long ntiles, u32* __restrict__ sink)
