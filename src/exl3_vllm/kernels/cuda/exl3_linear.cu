@@ -268,6 +268,28 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
     epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
 }
 
+// This lane's 8 states of the tile whose words start at tw (shared memory).
+EXL3_INLINE void tile_states(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&st)[8])
+{
+    u32 w[TL::NW];
+    #pragma unroll
+    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+    lane_states<KA, HALF>(w, lm.off, st);
+}
+
+// Fixed-order sum over the k-warps into the reduction tile (k-warp kk adds after kk - 1), so the result does not
+// depend on scheduling: put(kk) writes this warp's partials, adding to what is there when kk > 0.
+template <int KW, class PUT>
+EXL3_INLINE void kwarp_reduce(const int kw, const PUT& put)
+{
+    #pragma unroll 1
+    for (int kk = 0; kk < KW; ++kk)
+    {
+        if (kw == kk) put(kk);
+        __syncthreads();
+    }
+}
+
 // One (column block, k range) segment: pipelined decode + mma, fixed-order k-warp reduction, then the epilogue
 // directly (ncontrib == 1), through split slots (mode 1) or through atomics with the last arriving block finishing.
 // MODE: 0 = fp16, x as the MMA's A operand; 1 = int8 x as A (i8); 2 = int8 with the weights as A (i4); 3 = fp16 with
@@ -362,12 +384,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                 {
-                    const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
-                    u32 w[NW];
-                    #pragma unroll
-                    for (int q = 0; q < NW; ++q) w[q] = tw[lm.idx[q]];
                     u32 st[8];
-                    lane_states<KA, HALF>(w, lm.off, st);
+                    tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
                     #pragma unroll
                     for (int q = 0; q < 8; ++q) st[q] *= 0x83DCD12Du;
                     mma_16832_u8s8(iacc[nt], st[0], st[4], st[1], st[5], x0, x1);
@@ -394,12 +412,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                 {
-                    const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
-                    u32 w[NW];
-                    #pragma unroll
-                    for (int q = 0; q < NW; ++q) w[q] = tw[lm.idx[q]];
                     u32 st[8];
-                    lane_states<KA, HALF>(w, lm.off, st);
+                    tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
                     if constexpr (CB == 2)
                     {
                         u32 b[4];
@@ -433,12 +447,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                 {
-                    const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
-                    u32 w[NW];
-                    #pragma unroll
-                    for (int q = 0; q < NW; ++q) w[q] = tw[lm.idx[q]];
                     u32 st[8];
-                    lane_states<KA, HALF>(w, lm.off, st);
+                    tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
                     #pragma unroll
                     for (int q = 0; q < 8; ++q) st[q] *= 0x83DCD12Du;
                     mma_16832_s8u8(iacc[2 * nt], a0, st[0], st[1]);
@@ -455,12 +465,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
             {
-                const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
-                u32 w[NW];
-                #pragma unroll
-                for (int q = 0; q < NW; ++q) w[q] = tw[lm.idx[q]];
                 u32 st[8], b[4];
-                lane_states<KA, HALF>(w, lm.off, st);
+                tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
                 states_to_frag<CB>(st, b);
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -477,23 +483,19 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     {
         // acc[nb][nt]: x rows 8 nb + 2j, 8 nb + 2j + 1 (j = lane % 4) of output columns g and g + 8 of tile nt.
         float* red = (float*)smem;
-        #pragma unroll 1
-        for (int kk = 0; kk < KW; ++kk)
-        {
-            if (kw == kk)
+        kwarp_reduce<KW>(kw, [&](const int kk) {
+            #pragma unroll
+            for (int nb = 0; nb < MT; ++nb)
                 #pragma unroll
-                for (int nb = 0; nb < MT; ++nb)
+                for (int nt = 0; nt < NT; ++nt)
                     #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                        {
-                            float* d = red + (nb * 8 + 2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2)
-                                     + 8 * (e >> 1);
-                            *d = kk ? *d + acc[nb][nt][e] : acc[nb][nt][e];
-                        }
-            __syncthreads();
-        }
+                    for (int e = 0; e < 4; ++e)
+                    {
+                        float* d = red + (nb * 8 + 2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2)
+                                 + 8 * (e >> 1);
+                        *d = kk ? *d + acc[nb][nt][e] : acc[nb][nt][e];
+                    }
+        });
         segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
     }
@@ -504,21 +506,17 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         const float sh = mt[0] * mul1_scale(), sl = mt[1] * mul1_scale();
         const float off = (step0 == 0 && kw == 0) ? mt[2] * mul1_offset() : 0.f;
         float* red = (float*)smem;
-        #pragma unroll 1
-        for (int kk = 0; kk < KW; ++kk)
-        {
-            if (kw == kk)
+        kwarp_reduce<KW>(kw, [&](const int kk) {
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
                 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                    {
-                        float* d = red + (lane & 3) * RLD + (nw * NT + nt) * 16 + (lane >> 2) + 8 * h;
-                        float v = (float)iacc[nt][2 * h] * sh + (float)iacc[nt][2 * h + 1] * sl + off;
-                        *d = kk ? *d + v : v;
-                    }
-            __syncthreads();
-        }
+                for (int h = 0; h < 2; ++h)
+                {
+                    float* d = red + (lane & 3) * RLD + (nw * NT + nt) * 16 + (lane >> 2) + 8 * h;
+                    float v = (float)iacc[nt][2 * h] * sh + (float)iacc[nt][2 * h + 1] * sl + off;
+                    *d = kk ? *d + v : v;
+                }
+        });
         segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
     }
@@ -536,7 +534,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         }
     }
 
-    // Fixed-order reduction over the k-warps keeps the result independent of scheduling.
+    // (kwarp_reduce written out: through a lambda here the i8 tiers' hot loop recomputes its word offsets)
     float* red = (float*)smem;
     #pragma unroll 1
     for (int kk = 0; kk < KW; ++kk)
@@ -560,6 +558,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         }
         __syncthreads();
     }
+
 
     segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
 }
