@@ -1,6 +1,7 @@
-"""Where the large-M path's time goes: the dense weight reconstruction (exl3_recon), the cuBLAS GEMM on it, the whole
-path, and bf16 cuBLAS on a dense [n, k] weight (F.linear, as vLLM runs it); each is a CUDA graph of calls on
-rotating weight copies (the L2 never holds them)."""
+"""Where the large-M path's time goes: the dense weight reconstruction (exl3_recon), the cuBLAS GEMM on it (also with
+torch's reduced-precision split-k turned off, which changes cuBLAS's choice), their sum, the whole path, and bf16
+cuBLAS on a dense [n, k] weight (F.linear, as vLLM runs it); each is a CUDA graph of calls on rotating weight copies
+(the L2 never holds them)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ def parts(k, n, m, bits, cb, copies, reps):
     r = {}
     r["recon"] = graph_time_us([lambda t=t: rec(t) for t in ts[:10]], reps)
     r["gemm"] = graph_time_us([lambda: torch.mm(x, wt.t(), out=y)] * 5, reps)
+    mm = torch.backends.cuda.matmul
+    saved = mm.allow_bf16_reduced_precision_reduction
+    mm.allow_bf16_reduced_precision_reduction = False  # what cuBLAS picks when split-k partial sums must stay fp32
+    try:
+        r["gemm32"] = graph_time_us([lambda: torch.mm(x, wt.t(), out=y)] * 5, reps)
+    finally:
+        mm.allow_bf16_reduced_precision_reduction = saved
     r["path"] = graph_time_us([lambda t=t: kop.linear_cuda(x, t, suh, svh, None, [n], cb, out=y, force="dequant")
                                for t in ts[:10]], reps)
     r["bf16"] = graph_time_us([lambda b=b: torch.nn.functional.linear(x, b) for b in wb], reps)
@@ -50,9 +58,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    lines = ["| layer | M | recon µs | recon GB/s (W written + trellis read) | GEMM on W µs | sum µs | path µs "
-             "| bf16 µs |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| layer | M | recon µs | recon GB/s (W written + trellis read) | GEMM on W µs | GEMM, fp32 "
+             "split-k µs | sum µs | path µs | bf16 µs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     print(lines[0])
     for spec in a.layers.split(","):
         k, n = map(int, spec.split("x"))
@@ -61,7 +69,7 @@ def main():
             r = parts(k, n, m, 4, 2, copies, a.reps)
             s = r["recon"] + r["gemm"]
             line = (f"| {k}x{n} | {m} | {r['recon']:.1f} | {k * n * 2.5 / r['recon'] / 1e3:.0f} | "
-                    f"{r['gemm']:.1f} | {s:.1f} | {r['path']:.1f} | {r['bf16']:.1f} |")
+                    f"{r['gemm']:.1f} | {r['gemm32']:.1f} | {s:.1f} | {r['path']:.1f} | {r['bf16']:.1f} |")
             lines.append(line)
             print(line, flush=True)
             torch.cuda.empty_cache()

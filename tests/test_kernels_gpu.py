@@ -136,7 +136,7 @@ def test_tiers_forced(tier, monkeypatch):
 def test_dequant_chunks_and_svh_range(svh_scale, monkeypatch):
     """The large-M path with 256-column chunks (shards split across chunks, each chunk's GEMM writing a column slice
     of y in place) and svh from tiny to large, each 128-column group a different power of two: the reconstructed
-    dense weight (svh folded in, in x's dtype) must keep its precision at both ends."""
+    dense weight (svh folded in, in x's dtype) must keep its precision at both ends; m=2048 is the path's real size."""
     monkeypatch.setenv("EXL3_VLLM_TIER", "dequant")
     k, sizes = 1024, [640, 384, 128]
     monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * k * 256))
@@ -148,7 +148,7 @@ def test_dequant_chunks_and_svh_range(svh_scale, monkeypatch):
         group = 2.0 ** (torch.arange(n, device=DEV) // 128 % 7 - 3)
         svh = (svh.float() * group * svh_scale).half()
         w64 = _dense64(trellis, suh, svh, cb, sizes)
-        for m in (40, 300):
+        for m in (40, 300, 2048):
             for dt in DTYPES:
                 x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
                 b = bias.to(dt)
@@ -158,7 +158,8 @@ def test_dequant_chunks_and_svh_range(svh_scale, monkeypatch):
                 torch.cuda.synchronize()
                 err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
                 worst = max(worst, err)
-                assert not torch.isnan(out).any() and err <= TOL + floor, (bits, cb, m, dt, err, floor)
+                # three roundings in x's dtype (W, x @ W, + bias) where the fused kernels have one: two floors
+                assert not torch.isnan(out).any() and err <= TOL + 2 * floor, (bits, cb, m, dt, err, floor)
     _report(f"dequant 256-column chunks, svh x{svh_scale:g}: max_rel_err={worst:.3e}")
 
 

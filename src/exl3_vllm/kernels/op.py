@@ -425,46 +425,19 @@ def _dequant_path(d, lin, stream, x2, trellis, suh, svh, bias, sizes, y, k, n_to
     suh2 = suh.view(-1, k)
     if bias is not None:
         bias = bias.to(x2.dtype)
-    saved = _fp32_reductions()
-    try:
-        col = 0
-        for s, width in enumerate(sizes):
-            for c0 in range(col, col + width, chunk):
-                cols = min(chunk, col + width - c0)
-                wt = wbuf[:cols * k].view(cols, k)
-                launch_recon(d, lin, stream, trellis, suh2[s], svh, wt, n_total, c0, cols, k)
-                if bias is None:
-                    torch.mm(x2, wt.t(), out=y[:, c0:c0 + cols])
-                else:
-                    torch.addmm(bias[c0:c0 + cols], x2, wt.t(), out=y[:, c0:c0 + cols])
-            col += width
-    finally:
-        _restore_reductions(saved)
-
-
-_REDUCTION_FLAGS = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
-
-
-def _fp32_reductions() -> list:
-    """Keep cuBLAS's split-k partial sums in fp32 for our GEMMs (torch lets it round them to fp16/bf16 by default: a
-    second rounding on top of the weight's on small GEMMs); returns the caller's settings for _restore_reductions."""
-    m = torch.backends.cuda.matmul
-    saved = []
-    for name in _REDUCTION_FLAGS:
-        v = getattr(m, name)
-        try:
-            v = (v, getattr(m, name + "_split_k"))
-        except AttributeError:
-            pass
-        saved.append(v)
-        setattr(m, name, False)
-    return saved
-
-
-def _restore_reductions(saved: list) -> None:
-    m = torch.backends.cuda.matmul
-    for name, v in zip(_REDUCTION_FLAGS, saved):
-        setattr(m, name, v)
+    col = 0
+    for s, width in enumerate(sizes):
+        for c0 in range(col, col + width, chunk):
+            cols = min(chunk, col + width - c0)
+            wt = wbuf[:cols * k].view(cols, k)
+            launch_recon(d, lin, stream, trellis, suh2[s], svh, wt, n_total, c0, cols, k)
+            if bias is None:
+                torch.mm(x2, wt.t(), out=y[:, c0:c0 + cols])
+            else:
+                # Into y's column slice cuBLAS rounds x @ W and then the sum with the bias (two roundings); the
+                # single-rounding epilogue needs a fresh contiguous result, and copying that into y costs more.
+                torch.addmm(bias[c0:c0 + cols], x2, wt.t(), out=y[:, c0:c0 + cols])
+        col += width
 
 
 # ---------------------------------------------------------------------------------------------
