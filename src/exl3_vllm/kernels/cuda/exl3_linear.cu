@@ -1093,16 +1093,14 @@ EXL3_WG_STREAM(w64, 64, 4, 4, 4)
     extern "C" __global__ void __launch_bounds__(128 * (2 + NP), 1) exl3_gemm_##NAME(const GemmArgs p) \
     { extern __shared__ __align__(128) char smem[]; ws_body<BN, NP, KS, ST, BF, STREAM>(p, smem); }
 #define EXL3_WS_TIER(NAME, BN, NP, KS, ST) \
-    EXL3_WS_KERNEL(NAME##_f16, BN, NP, KS, ST, false, false) EXL3_WS_KERNEL(NAME##_bf16, BN, NP, KS, ST, true, false)
-#define EXL3_WS_STREAM(NAME, BN, NP, KS, ST) \
-    EXL3_WS_KERNEL(NAME##s_f16, BN, NP, KS, ST, false, true) EXL3_WS_KERNEL(NAME##s_bf16, BN, NP, KS, ST, true, true)
+    EXL3_WS_KERNEL(NAME##_f16, BN, NP, KS, ST, false, false) \
+    EXL3_WS_KERNEL(NAME##_bf16, BN, NP, KS, ST, true, false) \
+    EXL3_WS_KERNEL(NAME##s_f16, BN, NP, KS, ST, false, true) \
+    EXL3_WS_KERNEL(NAME##s_bf16, BN, NP, KS, ST, true, true)
 
 EXL3_WS_TIER(x64, 64, 2, 8, 3)
 EXL3_WS_TIER(x128, 128, 2, 4, 4)
 EXL3_WS_TIER(x256, 256, 1, 4, 3)
-EXL3_WS_STREAM(x64, 64, 2, 8, 3)
-EXL3_WS_STREAM(x128, 128, 2, 4, 4)
-EXL3_WS_STREAM(x256, 256, 1, 4, 3)
 #endif
 
 // Large-M path: the dense weight (both Hadamards, suh and svh folded in) of columns col0..col0+cols in the output
@@ -1161,12 +1159,23 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
         const u32* tw = trellis + (size_t)ku * 8 * tile_row + (size_t)((col0 >> 4) + cu * 8 + warp) * TL::W32;
         __syncthreads();  // the previous unit's reads of xs are done
         float* xw = xs + warp * 16 * RECON_LD;
-        #pragma unroll 2
+        // Integer codes up to 4 bits load all eight tiles' words before the first decode (in flight together, within
+        // the 80-register budget); half-bit and wider codes would spill, so they load one tile ahead of its decode.
+        constexpr int PRE = (!HALF && KA <= 4) ? 8 : 1;
+        u32 w8[PRE][TL::NW];
+        if constexpr (PRE == 8)
+        {
+            #pragma unroll
+            for (int j = 0; j < 8; ++j)
+                #pragma unroll
+                for (int q = 0; q < TL::NW; ++q) w8[j][q] = __ldg(tw + j * tile_row + lm.idx[q]);
+        }
+        #pragma unroll (PRE == 8 ? 8 : 2)
         for (int j = 0; j < 8; ++j)
         {
             u32 w[TL::NW];
             #pragma unroll
-            for (int q = 0; q < TL::NW; ++q) w[q] = __ldg(tw + j * tile_row + lm.idx[q]);
+            for (int q = 0; q < TL::NW; ++q) w[q] = PRE == 8 ? w8[j & (PRE - 1)][q] : __ldg(tw + j * tile_row + lm.idx[q]);
             u32 st[8], b[4];
             lane_states<KA, HALF>(w, lm.off, st);
             states_to_frag<CB>(st, b);
