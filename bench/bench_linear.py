@@ -184,12 +184,14 @@ def main():
             trs = [torch.randint(-32768, 32768, (k // 16, n // 16, w), dtype=torch.int16, device=dev) for _ in range(nc)]
             suh = ((torch.rand(k, device=dev) + 0.5) * 0.05).half()
             svh = ((torch.rand(n, device=dev) + 0.5) * 0.05).half()
+            t_prep = time.time()
             kop.prepare(k, n, bits, cb, max(ms), dev)
+            t_prep = time.time() - t_prep
             sink = torch.empty(sms * 8 * 256, dtype=torch.int32, device=dev)
             td = graph_time([lambda t=t: kop.decode_floor(t, cb, sink) for t in (trs * 4)[:max(args.calls, nc)]], args.reps)
             decode_rate = k * n / (td * 1e-6)
             print(f"layer {k}x{n} K={bits} {cbn}: decode-only {td:.1f} us ({decode_rate / 1e12:.2f} Tweights/s), "
-                  f"{nc} weight copies", flush=True)
+                  f"{nc} weight copies, prepare (compile + tune) {t_prep:.1f} s", flush=True)
             for m in ms:
                 if late():
                     break
