@@ -214,16 +214,16 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
             y = torch.empty(b, n_total, device=dev, dtype=torch.bfloat16)
             times: dict[str, float] = {}
             cands = with_fixed(d, candidates(d, b, k, bits, codebook, col_align), b, k, n_total, bits, codebook, sizes)
+            calls = {c: [lambda c=c, t=trs[i % copies]: linear_cuda(x, t, suh if len(sizes) > 1 else suh[0], svh,
+                                                                    None, sizes, codebook, out=y, force=c)
+                         for i in range(10 if b <= 256 else 4)] for c in cands}
             # Two rounds, each candidate's best kept: the first candidate of a cold start no longer pays the clock ramp.
             for _ in range(2):
-                for c in cands:
-                    calls = [lambda c=c, t=trs[i % copies]: linear_cuda(x, t, suh if len(sizes) > 1 else suh[0], svh,
-                                                                        None, sizes, codebook, out=y, force=c)
-                             for i in range(10 if b <= 256 else 4)]
+                for c in list(calls):
                     try:
-                        times[c] = min(times.get(c, float("inf")), graph_time_us(calls, reps=3))
+                        times[c] = min(times.get(c, float("inf")), graph_time_us(calls[c], reps=3))
                     except KernelError:
-                        continue
+                        del calls[c]  # this layer cannot run it: not retried
             if times:
                 table[b] = min(times, key=times.get)
     finally:

@@ -1160,7 +1160,7 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
         __syncthreads();  // the previous unit's reads of xs are done
         float* xw = xs + warp * 16 * RECON_LD;
         // Integer codes up to 4 bits load all eight tiles' words before the first decode (in flight together, within
-        // the 80-register budget); half-bit and wider codes would spill, so they load one tile ahead of its decode.
+        // the 80-register budget; half-bit codes spilled with it); the others load one tile ahead of its decode.
         constexpr int PRE = (!HALF && KA <= 4) ? 8 : 1;
         u32 w8[PRE][TL::NW];
         if constexpr (PRE == 8)
