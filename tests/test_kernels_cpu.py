@@ -141,6 +141,29 @@ def test_plan_fixed_suffix(monkeypatch):
         kop.plan(1, 4096, 4096, 4, 132, force="x99:fixed")
 
 
+def test_plan_split_suffix_and_split_candidates():
+    """'<tier>:s<N>' runs fixed split-k over N splits; the dispatch times its two best tiers at half and twice their
+    static factor."""
+    from types import SimpleNamespace
+    from exl3_vllm.kernels import tune
+    base = kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90, force="w16")
+    assert base.tier == "w16" and base.splits == 8 and base.stream == 0
+    p = kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90, force="w16:s16")
+    assert (p.tier, p.splits, p.stream, p.steps_per_split) == ("w16", 16, 0, 16)
+    q = kop.plan(128, 8192, 28672, 4, 132, codebook=2, arch=90, force="x64:s3")
+    assert q.tier == "x64" and q.splits == 3 and q.stream == 0
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90, force="w16:s999").splits == 4096 // 16 // 8
+    for bad in ("w16:s0", "w16:sx", "w16:fast"):
+        with pytest.raises(kop.KernelError, match="':fixed' or ':s<N>'"):
+            kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90, force=bad)
+    hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024, sms=132)
+    assert tune.with_splits(hopper, ["w16", "h8:fixed", "dequant"], 1, 4096, 4096, 4, 1, [4096]) == \
+        ["w16:s4", "w16:s16", "h8:s4", "h8:s16"]
+    # capped at one k16 stage per split, and never below one split
+    assert kop.plan(64, 512, 4096, 4, 132, arch=90, force="x64:fixed").splits == 4
+    assert tune.with_splits(hopper, ["x64"], 64, 512, 4096, 4, 1, [4096]) == ["x64:s2"]
+
+
 def test_plan_wg_tiers(monkeypatch):
     """On sm_90 the wgmma tiers take 9..LARGE_M rows; other archs keep the mma.sync tiers; forcing checks the arch."""
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).tier == "i4"

@@ -113,12 +113,18 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
 
     col_align: the gcd of the shard widths (a block's columns must lie in one shard); default n_total.
     force: a tier name or "dequant" (default: EXL3_VLLM_TIER, else the static choice below); "<tier>:fixed" keeps
-    fixed split-k where that tier would run stream-k.
+    fixed split-k where that tier would run stream-k; "<tier>:s<N>" runs fixed split-k over N splits.
     """
     col_align = col_align or n_total
     force = os.environ.get("EXL3_VLLM_TIER", "") if force is None else force
-    fixed = force.endswith(":fixed")
-    force = force[:-len(":fixed")] if fixed else force
+    force, *opts = force.split(":")
+    fixed = "fixed" in opts
+    fs = os.environ.get("EXL3_VLLM_SPLITS")
+    for o in opts:
+        if o != "fixed" and not (o[:1] == "s" and o[1:].isdigit() and int(o[1:]) >= 1):
+            raise KernelError(f"tier option ':{o}' is not ':fixed' or ':s<N>' (N >= 1 splits)")
+        if o[:1] == "s":
+            fs = o[1:]
     if force == "dequant" or (not force and m > _large_m()):
         cols = max(128, (_dequant_bytes() // (2 * k)) // 128 * 128)
         return Plan("dequant", chunk=min(cols, max_shard or n_total))
@@ -148,7 +154,6 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     slots = sms * (2 if tier.threads <= 256 else 1)
     # Just enough splits to fill the resident-block slots once; more splits measured slower (atomics, A re-reads).
     splits = max(1, min(-(-slots // base), ktiles // tier.ks))
-    fs = os.environ.get("EXL3_VLLM_SPLITS")
     if fs:
         splits = max(1, min(int(fs), ktiles // tier.ks))
     if tier.int8:

@@ -1,9 +1,10 @@
 """Measured dispatch: per layer shape and row bucket, the fastest path a call may take, timed once and cached.
 
-prepare() times the candidates (the int8 tier, the Hopper wgmma tier, the mma.sync tier, dequantize + cuBLAS) on
-random data of the layer's shape at each bucket of rows up to the layer's max_m, outside any graph capture, and
-keeps the winner in memory and in a JSON file per (GPU, driver, CUDA, NVRTC, package version, tier set). A call with
-m rows uses the choice of the smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
+prepare() times the candidates (the int8 tier, the Hopper wgmma tier, the mma.sync tier, dequantize + cuBLAS), then
+the two fastest again at other split-k factors (buckets up to split_bucket() rows), on random data of the layer's shape
+at each bucket of rows up to the layer's max_m, outside any graph capture, and keeps the winner in memory and in a
+JSON file per (GPU, driver, CUDA, NVRTC, package version, tier set). A call with m rows uses the choice of the
+smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Weight copies rotate through at least this many bytes so small layers are not timed from L2.
 _ROTATE_BYTES = 192 << 20
 
+# Buckets up to this many rows also time other split-k factors (EXL3_VLLM_TUNE_SPLITS overrides, 0: none).
+DEFAULT_SPLIT_BUCKET = 512
+
 _table: dict[tuple, dict[int, str]] = {}
 _disk: dict[int, dict] = {}
 _lock = threading.Lock()
@@ -34,6 +38,11 @@ _lock = threading.Lock()
 def enabled() -> bool:
     from .op import deterministic
     return os.environ.get("EXL3_VLLM_TUNE", "1") != "0" and not deterministic()
+
+
+def split_bucket() -> int:
+    """The largest bucket whose best tiers are also timed at other split-k factors (part of the cache key)."""
+    return int(os.environ.get("EXL3_VLLM_TUNE_SPLITS", DEFAULT_SPLIT_BUCKET))
 
 
 def bucket(m: int) -> int:
@@ -45,9 +54,11 @@ def layer_key(k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
 
 
 def tier_set_tag() -> str:
-    """A short digest of the kernel tiers this build can dispatch to: a cache file timed with another set is not read."""
+    """A short digest of the kernel tiers and split factors this build times: a cache file timed with another set is
+    not read."""
     from .variants import TIERS
-    return hashlib.sha1(",".join(sorted(TIERS)).encode()).hexdigest()[:8]
+    tag = ",".join(sorted(TIERS)) + (f";splits{split_bucket()}" if split_bucket() > 0 else "")
+    return hashlib.sha1(tag.encode()).hexdigest()[:8]
 
 
 def device_key(index: int) -> str:
@@ -147,6 +158,24 @@ def with_fixed(d, cands: list[str], m: int, k: int, n_total: int, bits: float, c
     return out
 
 
+def with_splits(d, best: list[str], m: int, k: int, n_total: int, bits: float, codebook: int,
+                sizes: List[int]) -> list[str]:
+    """The best tiers again with half and twice their static fixed split-k factor ("<tier>:s<N>"): fewer splits
+    mean fewer atomics and x re-reads, more mean more resident blocks to hide the decode latency."""
+    from .op import plan
+    from .variants import TIERS
+    out = []
+    for c in best:
+        tier = c.split(":")[0]
+        if tier == "dequant":
+            continue
+        base = plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes),
+                    tier + ":fixed").splits
+        top = max(1, (k // 16) // TIERS[tier].ks)  # at least one k16 stage per split
+        out += [f"{tier}:s{s}" for s in dict.fromkeys((max(1, base // 2), min(top, 2 * base))) if s != base]
+    return list(dict.fromkeys(out))
+
+
 def graph_time_us(calls: list, reps: int) -> float:
     """GPU time per call in microseconds: the calls captured in one CUDA graph (Python launch cost would dominate
     small layers), median over reps replays. The first two calls run uncaptured to load modules and grow workspace."""
@@ -197,7 +226,6 @@ def ensure(d, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
 
 
 def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
-    from .op import linear_cuda
     dev = d.device
     words = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
     nbytes = k * n_total * words // 8
@@ -214,18 +242,28 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
             y = torch.empty(b, n_total, device=dev, dtype=torch.bfloat16)
             times: dict[str, float] = {}
             cands = with_fixed(d, candidates(d, b, k, bits, codebook, col_align), b, k, n_total, bits, codebook, sizes)
-            calls = {c: [lambda c=c, t=trs[i % copies]: linear_cuda(x, t, suh if len(sizes) > 1 else suh[0], svh,
-                                                                    None, sizes, codebook, out=y, force=c)
-                         for i in range(10 if b <= 256 else 4)] for c in cands}
-            # Two rounds, each candidate's best kept: the first candidate of a cold start no longer pays the clock ramp.
-            for _ in range(2):
-                for c in list(calls):
-                    try:
-                        times[c] = min(times.get(c, float("inf")), graph_time_us(calls[c], reps=3))
-                    except KernelError:
-                        del calls[c]  # this layer cannot run it: not retried
+            _time_all(x, y, trs, suh, svh, sizes, codebook, b, cands, times)
+            if b <= split_bucket():
+                best = sorted(times, key=times.get)[:2]
+                more = [c for c in with_splits(d, best, b, k, n_total, bits, codebook, sizes) if c not in times]
+                _time_all(x, y, trs, suh, svh, sizes, codebook, b, more, times)
             if times:
                 table[b] = min(times, key=times.get)
     finally:
         del trs
         torch.cuda.empty_cache()
+
+
+def _time_all(x, y, trs, suh, svh, sizes, codebook, b, cands, times) -> None:
+    """GPU time of each candidate path into times (a path this layer cannot run is left out)."""
+    from .op import linear_cuda
+    calls = {c: [lambda c=c, t=trs[i % len(trs)]: linear_cuda(x, t, suh if len(sizes) > 1 else suh[0], svh, None,
+                                                              sizes, codebook, out=y, force=c)
+                 for i in range(10 if b <= 256 else 4)] for c in cands}
+    # Two rounds, each candidate's best kept: the first candidate of a cold start no longer pays the clock ramp.
+    for _ in range(2):
+        for c in list(calls):
+            try:
+                times[c] = min(times.get(c, float("inf")), graph_time_us(calls[c], reps=3))
+            except KernelError:
+                del calls[c]  # this layer cannot run it: not retried
