@@ -78,8 +78,16 @@ EXL3_INLINE u32 and_xor(u32 a, u32 b, u32 c) { u32 r; asm("lop3.b32 %0, %1, %2, 
 EXL3_INLINE u32 hadd2(u32 a, u32 b) { u32 r; asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
 EXL3_INLINE u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
 
-EXL3_INLINE float ld_cg(const float* p) { float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p)); return v; }
-EXL3_INLINE void st_cg(float* p, float v) { asm volatile("st.global.cg.f32 [%0], %1;" :: "l"(p), "f"(v)); }
+EXL3_INLINE float4 ld_cg4(const float* p)
+{
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
+EXL3_INLINE void st_cg4(float* p, float4 v)
+{
+    asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
+}
 EXL3_INLINE void red_add(float* p, float v) { asm volatile("red.global.add.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory"); }
 
 // 128-point Sylvester Hadamard over a warp: lane holds elements 4*lane..4*lane+3, result scaled by 1/sqrt(128).

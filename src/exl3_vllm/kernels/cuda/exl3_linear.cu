@@ -218,22 +218,36 @@ EXL3_INLINE bool last_arrival(const GemmArgs& p, const int mb, const int cb, con
 }
 
 // The summed partials of rows x 128 columns from the workspace into red, leaving the workspace zero for the next call.
-template <int THREADS>
+// B 16-byte loads per thread are in flight before their stores: one L2 round trip per batch, not per element (B is
+// smaller where accumulators are still live, so the batch does not spill).
+template <int THREADS, int B>
 EXL3_INLINE void take_partials(const GemmArgs& p, float* red, const int rows, const int row0, const int ncol0,
                                const int tid)
 {
-    for (int idx = tid; idx < rows * 128; idx += THREADS)
+    const int total = rows * 32;  // float4 chunks: row idx / 32, columns 4 (idx % 32)..
+    for (int c0 = tid; c0 < total; c0 += B * THREADS)
     {
-        const int r = idx >> 7, c = idx & 127;
-        float* g = p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c;
-        red[r * RLD + c] = ld_cg(g);
-        st_cg(g, 0.f);
+        float4 v[B];
+        #pragma unroll
+        for (int i = 0; i < B; ++i)
+        {
+            const int idx = c0 + i * THREADS;
+            if (idx < total) v[i] = ld_cg4(p.ws + (size_t)(row0 + (idx >> 5)) * p.n_total + ncol0 + (idx & 31) * 4);
+        }
+        #pragma unroll
+        for (int i = 0; i < B; ++i)
+        {
+            const int idx = c0 + i * THREADS;
+            if (idx >= total) continue;
+            *(float4*)(red + (idx >> 5) * RLD + (idx & 31) * 4) = v[i];
+            st_cg4(p.ws + (size_t)(row0 + (idx >> 5)) * p.n_total + ncol0 + (idx & 31) * 4, make_float4(0.f, 0.f, 0.f, 0.f));
+        }
     }
 }
 
 // After the block's partial sums for rows x 128 columns are in red: the epilogue directly (ncontrib == 1), split
-// slots (mode 1), or atomics into the fp32 workspace with the last arriving block finishing.
-template <bool OUT_BF16, int NWARPS>
+// slots (mode 1), or atomics into the fp32 workspace with the last arriving block finishing (TB: take_partials' batch).
+template <bool OUT_BF16, int NWARPS, int TB = 4>
 __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, float* red, const int rows,
                                              const int row0, const int cb, const int split, const int mb,
                                              const int ncontrib)
@@ -262,7 +276,7 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
         red_add(p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c, red[r * RLD + c]);
     }
     if (!last_arrival(p, mb, cb, ncontrib, [] { __syncthreads(); })) return;
-    take_partials<THREADS>(p, red, rows, row0, ncol0, tid);
+    take_partials<THREADS, TB>(p, red, rows, row0, ncol0, tid);
     if (tid == 0) p.counters[mb * (p.n_total >> 7) + cb] = 0;
     __syncthreads();
     epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
@@ -705,7 +719,7 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
             }
         }
         __syncthreads();
-        segment_tail<OUT_BF16, 4 * NWG>(p, svh, red, rows, row0, cb * (NWG / 2) + h, split, mb, ncontrib);
+        segment_tail<OUT_BF16, 4 * NWG, (NWG > 2 ? 2 : 4)>(p, svh, red, rows, row0, cb * (NWG / 2) + h, split, mb, ncontrib);
     }
 }
 #endif
@@ -822,10 +836,11 @@ __device__ __forceinline__ void ws_tail(const GemmArgs& p, const u16* svh, float
         if (!last_arrival(p, mb, cb, ncontrib, consumer_sync)) return;
         if (tid == 0) p.counters[mb * (p.n_total >> 7) + cb] = 0;
     }
-    for (int r0 = 0; r0 < rows; r0 += 64)  // the reduction tile holds 64 rows (its own shared memory, see Tier.smem)
+    // The reduction tile holds 64 rows (its own shared memory, see Tier.smem). Separate loops for the two sources, so
+    // the accumulators are dead while the partials are read back.
+    if (ncontrib == 1)
     {
-        const int n = min(64, rows - r0);
-        if (ncontrib == 1)
+        for (int r0 = 0; r0 < rows; r0 += 64)
         {
             #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
@@ -837,11 +852,16 @@ __device__ __forceinline__ void ws_tail(const GemmArgs& p, const u16* svh, float
                 red[r * RLD + col + 8] = acc[4 * j + 2];
                 red[(r + 1) * RLD + col + 8] = acc[4 * j + 3];
             }
+            consumer_sync();
+            epilogue_rows<OUT_BF16, 8>(red, min(64, rows - r0), row0 + r0, ncol0, p, svh);
+            consumer_sync();
         }
-        else
-        {
-            take_partials<256>(p, red, n, row0 + r0, ncol0, tid);
-        }
+        return;
+    }
+    for (int r0 = 0; r0 < rows; r0 += 64)
+    {
+        const int n = min(64, rows - r0);
+        take_partials<256, (BN > 128 ? 1 : 4)>(p, red, n, row0 + r0, ncol0, tid);
         consumer_sync();
         epilogue_rows<OUT_BF16, 8>(red, n, row0 + r0, ncol0, p, svh);
         consumer_sync();
