@@ -225,22 +225,20 @@ EXL3_INLINE void take_partials(const GemmArgs& p, float* red, const int rows, co
                                const int tid)
 {
     const int total = rows * 32;  // float4 chunks: row idx / 32, columns 4 (idx % 32)..
+    auto chunk = [&](const int idx) { return p.ws + (size_t)(row0 + (idx >> 5)) * p.n_total + ncol0 + (idx & 31) * 4; };
     for (int c0 = tid; c0 < total; c0 += B * THREADS)
     {
         float4 v[B];
         #pragma unroll
         for (int i = 0; i < B; ++i)
-        {
-            const int idx = c0 + i * THREADS;
-            if (idx < total) v[i] = ld_cg4(p.ws + (size_t)(row0 + (idx >> 5)) * p.n_total + ncol0 + (idx & 31) * 4);
-        }
+            if (c0 + i * THREADS < total) v[i] = ld_cg4(chunk(c0 + i * THREADS));
         #pragma unroll
         for (int i = 0; i < B; ++i)
         {
             const int idx = c0 + i * THREADS;
             if (idx >= total) continue;
             *(float4*)(red + (idx >> 5) * RLD + (idx & 31) * 4) = v[i];
-            st_cg4(p.ws + (size_t)(row0 + (idx >> 5)) * p.n_total + ncol0 + (idx & 31) * 4, make_float4(0.f, 0.f, 0.f, 0.f));
+            st_cg4(chunk(idx), make_float4(0.f, 0.f, 0.f, 0.f));
         }
     }
 }
@@ -719,7 +717,8 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
             }
         }
         __syncthreads();
-        segment_tail<OUT_BF16, 4 * NWG, (NWG > 2 ? 2 : 4)>(p, svh, red, rows, row0, cb * (NWG / 2) + h, split, mb, ncontrib);
+        constexpr int TB = NWG > 2 ? 2 : 4;  // the 4-warpgroup tiers' accumulators leave room for 2 loads in flight
+        segment_tail<OUT_BF16, 4 * NWG, TB>(p, svh, red, rows, row0, cb * (NWG / 2) + h, split, mb, ncontrib);
     }
 }
 #endif
