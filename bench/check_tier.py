@@ -22,12 +22,14 @@ def main() -> int:
     ap.add_argument("--tiers", required=True)
     ap.add_argument("--ms", default="1,37,64,129,256,300")
     ap.add_argument("--tol", type=float, default=3e-3)
+    ap.add_argument("--configs", default="4:2,3:1,2.5:2,8:0", help="K:codebook pairs (codebook 0/1/2 = 3inst/mcg/mul1)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     os.environ["EXL3_VLLM_TUNE"] = "0"
     g = torch.Generator(device=dev).manual_seed(1)
     bad = 0
-    for bits, cb in ((4, 2), (3, 1), (2.5, 2), (8, 0)):
+    for bits, cb in ((float(c.split(":")[0]), int(c.split(":")[1])) for c in args.configs.split(",")):
+        bits = int(bits) if bits == int(bits) else bits
         k, sizes = 2048, [256, 384]
         n = sum(sizes)
         w = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8

@@ -132,6 +132,29 @@ def test_tiers_forced(tier, monkeypatch):
     assert not fails, "\n".join(fails[:20])
 
 
+def test_input_staged_layout():
+    """The ws tiers' staged x (one bulk copy per stage) holds the plain transform's values: xh[s][k / 64][m][64] with
+    row r's 16-byte chunk j at chunk j ^ (r % 8), the 128-byte swizzle wgmma reads x in."""
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    m, k, S = 37, 512, 2
+    x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+    suh = (torch.randn(S, k, device=DEV, generator=gen) * 0.05).half()
+    d = kop._dev(0)
+    io = d.module(kop.IO_SOURCE, None)
+    stream = torch.cuda.current_stream().cuda_stream
+    plain, staged = (torch.full((S * m * k,), float("nan"), dtype=torch.float16, device=DEV) for _ in range(2))
+    kop.launch_input(d, io, stream, x, suh, plain, m, k, S)
+    kop.launch_input(d, io, stream, x, suh, staged, m, k, S, staged=True)
+    torch.cuda.synchronize()
+    pv = plain.view(S, m, k // 64, 8, 8)
+    expect = torch.empty(S, k // 64, m, 8, 8, dtype=torch.float16, device=DEV)
+    for r in range(m):
+        for j in range(8):
+            expect[:, :, r, j ^ (r % 8)] = pv[:, r, :, j]
+    assert not torch.isnan(plain).any()
+    assert torch.equal(staged.view_as(expect), expect)
+
+
 @pytest.mark.parametrize("svh_scale", [2e-3, 1.0, 800.0])
 def test_dequant_chunks_and_svh_range(svh_scale, monkeypatch):
     """The large-M path with 256-column chunks (shards split across chunks, each chunk's GEMM writing a column slice

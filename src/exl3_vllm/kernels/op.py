@@ -368,7 +368,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
                       ctypes.c_int32(k)])
     else:
         xh = d.buf("xh", S * m * k, torch.float16)
-        launch_input(d, io, stream, x2, suh, xh, m, k, S)
+        launch_input(d, io, stream, x2, suh, xh, m, k, S, staged=bool(tier.ws))
 
     det = deterministic()
     mblocks = -(-m // tier.bm)
@@ -403,10 +403,12 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     return y.reshape(*lead, n_total)
 
 
-def launch_input(d, io, stream, x2, suh, xh, m, k, S):
-    """xh[s, r] = fp16(Hadamard-128(x[r] * suh[s])) for every shard s (one warp per 128 values, grid-strided)."""
+def launch_input(d, io, stream, x2, suh, xh, m, k, S, staged=False):
+    """xh[s, r] = fp16(Hadamard-128(x[r] * suh[s])) for every shard s (one warp per 128 values, grid-strided);
+    staged: in the ws tiers' bulk-copy layout instead (exl3_input.cuh)."""
     warps = S * m * (k // 128)
-    nvrtc.launch(io.function("exl3_input_bf16" if x2.dtype == torch.bfloat16 else "exl3_input_f16"),
+    name = "exl3_input_staged" if staged else "exl3_input"
+    nvrtc.launch(io.function(f"{name}_bf16" if x2.dtype == torch.bfloat16 else f"{name}_f16"),
                  (min(-(-warps // 8), d.sms * 8), 1, 1), (256, 1, 1), 0, stream,
                  [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
                   ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])

@@ -5,6 +5,10 @@ extern "C" __global__ void __launch_bounds__(256) exl3_input_f16(const u16* x, i
 { input_body(DenseRows<false>{x, ldx, suh, k}, xh, m, k, S); }
 extern "C" __global__ void __launch_bounds__(256) exl3_input_bf16(const u16* x, int ldx, const u16* suh, u16* xh, int m, int k, int S)
 { input_body(DenseRows<true>{x, ldx, suh, k}, xh, m, k, S); }
+extern "C" __global__ void __launch_bounds__(256) exl3_input_staged_f16(const u16* x, int ldx, const u16* suh, u16* xh, int m, int k, int S)
+{ input_body<DenseRows<false>, true>(DenseRows<false>{x, ldx, suh, k}, xh, m, k, S); }
+extern "C" __global__ void __launch_bounds__(256) exl3_input_staged_bf16(const u16* x, int ldx, const u16* suh, u16* xh, int m, int k, int S)
+{ input_body<DenseRows<true>, true>(DenseRows<true>{x, ldx, suh, k}, xh, m, k, S); }
 
 // Rows >= m of the 8 slots are padding (grid.x = 8).
 template <bool IN_BF16>

@@ -783,9 +783,9 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
 }
 
 #ifdef EXL3_WGMMA
-// Warp-specialized Hopper GEMM over 128-column blocks: NP producer warpgroups load x and the trellis with cp.async and
-// decode each 16x16 tile once into shared memory in wgmma's A layout; two consumer warpgroups (64 columns each) run
-// wgmma with A and x from shared memory over all BN rows, then the epilogue. Per-stage barriers replace block-wide
+// Warp-specialized Hopper GEMM over 128-column blocks: NP producer warpgroups load the trellis with cp.async and x with
+// bulk copies, and decode each 16x16 tile once into shared memory in wgmma's A layout; two consumer warpgroups (64
+// columns each) run wgmma with A and x from shared memory over all BN rows, then the epilogue. Per-stage barriers replace block-wide
 // ones, so decoding runs up to STAGES stages ahead of the tensor cores, across segments too. (ptxas compiles both
 // roles under the launch's per-thread register cap, so the consumers' accumulators bound the producer count.)
 template <int BN, int NP, int KS, int STAGES>
@@ -887,13 +887,13 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
     const u32 full = smem_addr(bars), empty = full + 8 * STAGES;
     if (tid == 0)
     {
-        // Arrivals per stage: each producer warp once its A tiles are stored, each lane of the warp that loads the
-        // stage's x once its copies land; each consumer warp once its wgmmas are done. (Per-warp arrivals: a barrier
-        // takes arrivals one at a time.)
+        // Arrivals per stage: each producer warp once its A tiles are stored, plus the lane that issues the stage's x
+        // bulk copies (which also wait for their bytes); each consumer warp once its wgmmas are done. (Per-warp
+        // arrivals: a barrier takes arrivals one at a time.)
         #pragma unroll
         for (int s = 0; s < STAGES; ++s)
         {
-            mbar_init(full + 8 * s, SH::NPW + 32);
+            mbar_init(full + 8 * s, SH::NPW + 1);
             mbar_init(empty + 8 * s, 8);
         }
     }
@@ -930,13 +930,10 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
             int shard = 0;
             #pragma unroll
             for (int i = 0; i < 7; ++i) if (i + 1 < p.nshards && cb >= p.shard_end[i]) shard = i + 1;
-            // This lane's x chunks of a stage: 16-byte piece j = lane % CPR of rows lane / CPR, + RPI, ... (no divisions
-            // per chunk; the 32 lanes cover RPI whole rows per pass).
-            constexpr int CPR = KS * 2, RPI = 32 / CPR;
-            static_assert(32 % CPR == 0, "a warp covers whole rows of a stage");
-            const int xj = lane % CPR, xr0 = lane / CPR;
-            const u16* X = p.xh + ((size_t)shard * p.m + row0 + xr0) * p.k + step0 * 16 + xj * 8;
-            const size_t xstep = (size_t)RPI * p.k;
+            // x in the staged layout (exl3_input_staged): each 64-k group of the block's rows is rows * 128 contiguous
+            // bytes already in the stage's swizzle, one bulk copy (step0 is a multiple of KS, so of 4 k16 steps).
+            const u16* XG = p.xh + ((size_t)shard * (p.k >> 6) * p.m + (size_t)(step0 >> 2) * p.m + row0) * 64;
+            const size_t gstep = (size_t)p.m * 64;
             const u32* src[NCH];
             bool has[NCH];
             #pragma unroll
@@ -963,15 +960,19 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
             for (int s = 0; s < nstages; ++s, advance())
             {
                 if (wrapped) mbar_wait(empty + 8 * buf, phase ^ 1);
-                // x first, by one warp in turn: its barrier arrival waits for every earlier copy of its lanes, so the
-                // trellis copies issued below for a later stage stay off this stage's path.
-                if (pw == xw)
+                // The stage's x by one lane of one warp in turn: bulk copies through the async proxy that wgmma reads
+                // through, counted on the stage's barrier (no per-thread copies or arrivals).
+                if (pw == xw && lane == 0)
                 {
-                    const u16* xs = X + s * KS * 16;
+#ifdef EXL3_DIAG_NO_X  // bound analysis only (wrong results): the pipeline without the x loads
+                    mbar_arrive(full + 8 * buf);
+#else
                     const u32 xdst = sx + buf * SH::X_STAGE;
-                    for (int r = xr0; r < rows; r += RPI, xs += xstep)
-                        cp_async16(xdst + WgX<BN, KS>::offset(r, xj), xs, 16);
-                    mbar_arrive_cp_async(full + 8 * buf);
+                    mbar_arrive_expect_tx(full + 8 * buf, (KS / 4) * rows * 128);
+                    #pragma unroll
+                    for (int a = 0; a < KS / 4; ++a)
+                        bulk_g2s(xdst + a * (BN * 128), XG + (size_t)(s * (KS / 4) + a) * gstep, rows * 128, full + 8 * buf);
+#endif
                 }
                 if (++xw == SH::NPW) xw = 0;
                 __syncwarp();  // the ring slot loaded next was read by every lane in the previous stage
@@ -1004,7 +1005,7 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                     #pragma unroll
                     for (int q = 0; q < NW; ++q) w[q] = wn[q];
                 }
-                fence_proxy_async();
+                fence_proxy_async();  // the stmatrix stores (generic proxy) before wgmma reads them (async proxy)
                 __syncwarp();
                 if (lane == 0) mbar_arrive(full + 8 * buf);
             }
@@ -1021,7 +1022,6 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
             for (int s = 0; s < nstages; ++s, advance())
             {
                 mbar_wait(full + 8 * buf, phase);
-                fence_proxy_async();  // x arrived through cp.async (generic proxy); wgmma reads it through the async proxy
                 const u64 ad = smem_desc(sa + buf * SH::A_STAGE + c * 2048, 128, 256);
                 const u64 xd = WgX<BN, KS>::desc(sx + buf * SH::X_STAGE, 0);
                 wgmma_fence();

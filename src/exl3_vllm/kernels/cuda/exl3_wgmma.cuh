@@ -17,8 +17,17 @@ EXL3_INLINE void mbar_arrive(u32 bar)
 {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared.b64 st, [%0];\n}\n" :: "r"(bar) : "memory");
 }
-// Counts as one arrival once every cp.async this thread issued before it has landed.
-EXL3_INLINE void mbar_arrive_cp_async(u32 bar) { asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];\n" :: "r"(bar) : "memory"); }
+// One arrival that also expects tx more bytes from bulk copies completing on this barrier.
+EXL3_INLINE void mbar_arrive_expect_tx(u32 bar, u32 tx)
+{
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" :: "r"(bar), "r"(tx) : "memory");
+}
+// bytes (a multiple of 16) from global to this block's shared memory through the async proxy, counted on bar.
+EXL3_INLINE void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 EXL3_INLINE void mbar_wait(u32 bar, u32 parity)
 {
     u32 done;
