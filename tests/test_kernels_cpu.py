@@ -162,6 +162,10 @@ def test_plan_split_suffix_and_split_candidates():
     # capped at one k16 stage per split, and never below one split
     assert kop.plan(64, 512, 4096, 4, 132, arch=90, force="x64:fixed").splits == 4
     assert tune.with_splits(hopper, ["x64"], 64, 512, 4096, 4, 1, [4096]) == ["x64:s2"]
+    # the two fastest distinct tiers: a tier's ':fixed' twin and dequant do not take the second place
+    times = {"x128": 94.5, "x128:fixed": 96.0, "dequant": 99.0, "x256:fixed": 101.0, "x256": 110.0}
+    assert tune.fastest_tiers(times) == ["x128", "x256:fixed"]
+    assert "x256:s1" in tune.with_splits(hopper, tune.fastest_tiers(times), 256, 4096, 14336, 4, 2, [14336])
 
 
 def test_plan_wg_tiers(monkeypatch):

@@ -1,7 +1,7 @@
 """Measured dispatch: per layer shape and row bucket, the fastest path a call may take, timed once and cached.
 
 prepare() times the candidates (the int8 tier, the Hopper wgmma tier, the mma.sync tier, dequantize + cuBLAS), then
-the two fastest again at other split-k factors (buckets up to split_bucket() rows), on random data of the layer's shape
+the two fastest tiers again at other split-k factors (buckets up to split_bucket() rows), on random data of the layer's shape
 at each bucket of rows up to the layer's max_m, outside any graph capture, and keeps the winner in memory and in a
 JSON file per (GPU, driver, CUDA, NVRTC, package version, tier set). A call with m rows uses the choice of the
 smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
@@ -158,6 +158,18 @@ def with_fixed(d, cands: list[str], m: int, k: int, n_total: int, bits: float, c
     return out
 
 
+def fastest_tiers(times: dict, n: int = 2) -> list[str]:
+    """The fastest timing of each of the n fastest distinct tiers (dequant has no split factor): a tier's stream-k and
+    ':fixed' runs count once, so a second tier whose other split factors may win is not crowded out."""
+    out, seen = [], set()
+    for c in sorted(times, key=times.get):
+        tier = c.split(":")[0]
+        if tier != "dequant" and tier not in seen:
+            seen.add(tier)
+            out.append(c)
+    return out[:n]
+
+
 def with_splits(d, best: list[str], m: int, k: int, n_total: int, bits: float, codebook: int,
                 sizes: List[int]) -> list[str]:
     """The best tiers again with half and twice their static fixed split-k factor ("<tier>:s<N>"): fewer splits
@@ -244,7 +256,7 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
             cands = with_fixed(d, candidates(d, b, k, bits, codebook, col_align), b, k, n_total, bits, codebook, sizes)
             _time_all(x, y, trs, suh, svh, sizes, codebook, b, cands, times)
             if b <= split_bucket():
-                best = sorted(times, key=times.get)[:2]
+                best = fastest_tiers(times)
                 more = [c for c in with_splits(d, best, b, k, n_total, bits, codebook, sizes) if c not in times]
                 _time_all(x, y, trs, suh, svh, sizes, codebook, b, more, times)
             if times:
