@@ -32,6 +32,8 @@ EXL3_INLINE void store_fma4(u16* dst, const float (&v)[4], const float (&f)[4], 
 }
 
 EXL3_INLINE u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// The 128-byte swizzle of x for wgmma: 16-byte chunk j (0..7) of row r sits at chunk j ^ (r % 8) of its 128 bytes.
+EXL3_INLINE int swz128(int j, int r) { return j ^ (r & 7); }
 
 EXL3_INLINE void cp_async16(u32 dst, const void* src, int src_bytes)
 {

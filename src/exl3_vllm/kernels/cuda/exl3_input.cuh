@@ -23,8 +23,8 @@ struct DenseRows
 
 // One warp per (shard, row, 128-column chunk), grid-strided: xh[s, r, :] = fp16(had128(row r of shard s)); rows that
 // are padding get zeros, rows of unused blocks are skipped (nothing reads them). 32-bit indices: S * m * k / 128 < 2^31.
-// STAGED: xh[s][k / 64][m][64] with row r's 16-byte chunks at chunk ^ (r % 8), so a stage of rows is one contiguous
-// bulk copy that lands in the warp-specialized tiers' 128-byte swizzle layout.
+// STAGED: xh[s][k / 64][m][64] with each row's 16-byte chunks already swizzled (swz128), so a stage of rows is one
+// contiguous bulk copy that lands in the warp-specialized tiers' x layout.
 template <class SRC, bool STAGED = false>
 __device__ __forceinline__ void input_body(const SRC& src, u16* __restrict__ xh, int m, int k, int S)
 {
@@ -45,7 +45,7 @@ __device__ __forceinline__ void input_body(const SRC& src, u16* __restrict__ xh,
         o.x = f2h(v[0]) | ((u32)f2h(v[1]) << 16);
         o.y = f2h(v[2]) | ((u32)f2h(v[3]) << 16);
         if constexpr (STAGED)
-            *(uint2*)(xh + (((size_t)s * (k >> 6) + (col >> 6)) * m + r) * 64 + ((((col >> 3) & 7) ^ (r & 7)) << 3) + (col & 7)) = o;
+            *(uint2*)(xh + (((size_t)s * (k >> 6) + (col >> 6)) * m + r) * 64 + (swz128((col >> 3) & 7, r) << 3) + (col & 7)) = o;
         else
             *(uint2*)(xh + ((size_t)s * m + r) * k + col) = o;
     }

@@ -585,7 +585,7 @@ struct WgX
     static_assert(KS % 4 == 0, "the 128-byte swizzle atom is 4 k16 steps");
     static constexpr int STAGE = KS * BN * 32;
     // Byte offset of row r's 16-byte chunk j (k values 8j..8j+7 of the stage).
-    EXL3_INLINE static u32 offset(int r, int j) { return (j >> 3) * (BN * 128) + r * 128 + (((j & 7) ^ (r & 7)) << 4); }
+    EXL3_INLINE static u32 offset(int r, int j) { return (j >> 3) * (BN * 128) + r * 128 + (swz128(j & 7, r) << 4); }
     EXL3_INLINE static u64 desc(u32 stage_addr, int i)
     {
         return smem_desc(stage_addr + (i >> 2) * (BN * 128) + (i & 3) * 32, 16, 1024) | (1ull << 62);
@@ -785,9 +785,10 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
 #ifdef EXL3_WGMMA
 // Warp-specialized Hopper GEMM over 128-column blocks: NP producer warpgroups load the trellis with cp.async and x with
 // bulk copies, and decode each 16x16 tile once into shared memory in wgmma's A layout; two consumer warpgroups (64
-// columns each) run wgmma with A and x from shared memory over all BN rows, then the epilogue. Per-stage barriers replace block-wide
-// ones, so decoding runs up to STAGES stages ahead of the tensor cores, across segments too. (ptxas compiles both
-// roles under the launch's per-thread register cap, so the consumers' accumulators bound the producer count.)
+// columns each) run wgmma with A and x from shared memory over all BN rows, then the epilogue. Per-stage barriers
+// replace block-wide ones, so decoding runs up to STAGES stages ahead of the tensor cores, across segments too.
+// (ptxas compiles both roles under the launch's per-thread register cap, so the consumers' accumulators bound the
+// producer count.)
 template <int BN, int NP, int KS, int STAGES>
 struct WsShape
 {
