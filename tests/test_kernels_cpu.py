@@ -141,6 +141,21 @@ def test_plan_fixed_suffix(monkeypatch):
         kop.plan(1, 4096, 4096, 4, 132, force="x99:fixed")
 
 
+def test_plan_streamk_whole_waves(monkeypatch):
+    """Stream-k runs full waves of whole column blocks first and shares out only the rest (224 column blocks on 132
+    blocks: one whole wave, 92 column blocks as units); none when the layer is narrower than a wave, when
+    EXL3_VLLM_STREAMK_DP=0, or for an int8 tier whose whole column block would pass the int32 bound."""
+    p = kop.plan(256, 8192, 28672, 4, 132, codebook=2, arch=90, force="x256")
+    assert (p.stream, p.dp) == (132, 132)
+    q = kop.plan(512, 8192, 28672, 4, 132, codebook=2, arch=90, force="x256")
+    assert (q.stream, q.dp) == (66, 198)
+    assert kop.plan(256, 4096, 4096, 4, 132, codebook=2, arch=90, force="x256").dp == 0
+    r = kop.plan(1, 32768, 28672, 4, 66, codebook=2, arch=90, force="i8")
+    assert r.stream and r.dp == 0
+    monkeypatch.setenv("EXL3_VLLM_STREAMK_DP", "0")
+    assert kop.plan(256, 8192, 28672, 4, 132, codebook=2, arch=90, force="x256").dp == 0
+
+
 def test_plan_split_suffix_and_split_candidates():
     """'<tier>:s<N>' runs fixed split-k over N splits; the dispatch times its two best tiers at half and twice their
     static factor."""

@@ -132,6 +132,40 @@ def test_tiers_forced(tier, monkeypatch):
     assert not fails, "\n".join(fails[:20])
 
 
+@pytest.mark.parametrize("tier", ["x64", "x128", "x256"])
+def test_streamk_whole_waves(tier, monkeypatch):
+    """Stream-k on a layer wider than one wave: full waves of whole column blocks first (no partial sums), then the
+    rest shared out as units with several contributors per column block; the plan must use both parts."""
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the ws tiers are sm_90a only")
+    monkeypatch.setenv("EXL3_VLLM_TIER", tier)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bm = kop.TIERS[tier].bm
+    k, sizes = 512, [128 * (sms // 2), 128 * (sms - sms // 2 + 8)]
+    n = sum(sizes)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    worst, fails = 0.0, []
+    for bits, cb in ((4, 2), (3, 1)):
+        trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
+        w64 = _dense64(trellis, suh, svh, cb, sizes)
+        for m in (bm, 2 * bm + 3):
+            pl = kop.plan(m, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=math.gcd(*sizes))
+            assert pl.stream and 0 < pl.dp < n // 128, pl
+            for dt in DTYPES:
+                x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
+                b = bias.to(dt)
+                ref = x.double() @ w64 + b.double()
+                out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+                kop.linear_cuda(x, trellis, suh, svh, b, sizes, cb, out=out)
+                torch.cuda.synchronize()
+                err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
+                worst = max(worst, err)
+                if not (err <= TOL + floor) or torch.isnan(out).any():
+                    fails.append(f"K={bits} cb={cb} m={m} {dt}: err {err:.2e} (floor {floor:.2e}) {pl}")
+    _report(f"tier {tier} stream-k with whole waves: max_rel_err={worst:.3e}")
+    assert not fails, "\n".join(fails)
+
+
 def test_input_staged_layout():
     """The ws tiers' staged x (one bulk copy per stage) holds the plain transform's values: xh[s][k / 64][m][64] with
     row r's 16-byte chunk j at chunk j ^ (r % 8), the 128-byte swizzle wgmma reads x in."""

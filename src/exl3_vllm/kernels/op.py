@@ -75,6 +75,7 @@ class Plan:
     steps_per_split: int = 0
     chunk: int = 0        # columns per dequant chunk
     stream: int = 0       # >0: stream-k grid size (blocks sharing column-block x stage units evenly)
+    dp: int = 0           # stream-k: column blocks run whole first, in full waves of `stream` blocks
 
 
 # k16 steps one int8-tier segment may sum in int32: |x| <= 127 times a product byte sum <= 1020 per weight, 16384 k.
@@ -171,7 +172,11 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         stream = max(1, min(slots // mblocks, units))
         if tier.int8:  # a block's units of one column block are one segment: keep them within the int32 bound
             stream = max(stream, -(-units * tier.ks // INT8_SEGMENT_STEPS))
-        return Plan("gemm", tier.name, splits, steps, stream=stream)
+        # Whole waves of column blocks need no partial sums; only the last partial wave is shared out as units.
+        dp = 0
+        if os.environ.get("EXL3_VLLM_STREAMK_DP", "1") != "0" and (not tier.int8 or ktiles <= INT8_SEGMENT_STEPS):
+            dp = (n_total // tier.cols) // stream * stream
+        return Plan("gemm", tier.name, splits, steps, stream=stream, dp=dp)
     return Plan("gemm", tier.name, splits, steps)
 
 
@@ -183,7 +188,7 @@ class _GemmArgs(ctypes.Structure):
                 ("mode", ctypes.c_int32), ("nshards", ctypes.c_int32), ("shard_end", ctypes.c_int32 * 8),
                 ("stream", ctypes.c_int32), ("xmeta", ctypes.c_uint64), ("block_expert", ctypes.c_uint64),
                 ("expert_where", ctypes.c_uint64), ("expert_words", ctypes.c_int64), ("group", ctypes.c_int32),
-                ("mblocks", ctypes.c_int32)]
+                ("mblocks", ctypes.c_int32), ("dp", ctypes.c_int32)]
 
 
 MAX_SHARDS = 8
@@ -389,7 +394,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
         end += s // 128
         a.shard_end[i] = end
     a.xmeta = _ptr(xmeta)
-    a.stream = p.stream
+    a.stream, a.dp = p.stream, p.dp
     a.mblocks = 1
     smem = tier.smem(bits)
     f = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else ""), bf), smem)

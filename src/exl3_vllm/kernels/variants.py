@@ -73,7 +73,7 @@ TIERS = {t.name: t for t in (
     Tier("w128n", 128, 1, 1, 4, 4, wg=2),
     Tier("x64", 64, 1, 1, 8, 3, wg=2, ws=2, stream=True),
     Tier("x128", 128, 1, 1, 4, 4, wg=2, ws=2, stream=True),
-    Tier("x256", 256, 1, 1, 4, 3, wg=2, ws=1, stream=True),
+    Tier("x256", 256, 1, 1, 4, 3, wg=2, ws=2, stream=True),
 )}
 # The only arch whose build has the wg tiers (wgmma is Hopper's; NVRTC targets sm_90a there).
 WG_ARCH = 90

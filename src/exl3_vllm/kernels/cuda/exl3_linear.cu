@@ -34,6 +34,7 @@ struct GemmArgs
     long long expert_words;
     int group;
     int mblocks;          // row blocks in xh / xq (1 for a dense layer)
+    int dp;               // stream-k: column blocks run whole first, a multiple of grid.x (no partial sums for them)
 };
 
 constexpr int RLD = 132;  // padded fp32 row of the 128-column reduction tile, avoids bank conflicts
@@ -724,7 +725,8 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
 #endif
 
 // The (column block, split, first k16 step, stages, contributors) segments this block runs: one per block for fixed
-// split-k, or under stream-k (grid.x = p.stream) the run of (column block, stage) units [b*U/G, (b+1)*U/G).
+// split-k, or under stream-k (grid.x = p.stream = G) whole column blocks b, b+G, .. below p.dp (full waves, no partial
+// sums), then the run [b*U/G, (b+1)*U/G) of the U (column block, stage) units of the rest.
 template <int KS, bool STREAM, class F>
 EXL3_INLINE void for_each_segment(const GemmArgs& p, const int cols, const F& f)
 {
@@ -735,16 +737,19 @@ EXL3_INLINE void for_each_segment(const GemmArgs& p, const int cols, const F& f)
         return;
     }
     const int nst = (p.k >> 4) / KS;
-    const long long G = p.stream, U = (long long)(p.n_total / cols) * nst;
+    for (int cb = blockIdx.x; cb < p.dp; cb += p.stream) f(cb, 0, 0, nst, 1);
+    // At most one block per unit: a block between a column block's first and last contributors must own some of it.
+    const long long U = (long long)(p.n_total / cols - p.dp) * nst, G = min((long long)p.stream, U);
+    if (blockIdx.x >= G) return;
     int u0 = (int)(blockIdx.x * U / G);
     const int u1 = (int)((blockIdx.x + 1) * U / G);
     while (u0 < u1)
     {
-        const int cb = u0 / nst, s_lo = u0 - cb * nst;
+        const int c = u0 / nst, s_lo = u0 - c * nst;
         const int nstages = min(nst - s_lo, u1 - u0);
-        const int first = (int)((((long long)cb * nst + 1) * G - 1) / U);
-        const int last = (int)(((long long)(cb + 1) * nst * G - 1) / U);
-        f(cb, 0, s_lo * KS, nstages, last - first + 1);
+        const int first = (int)((((long long)c * nst + 1) * G - 1) / U);
+        const int last = (int)(((long long)(c + 1) * nst * G - 1) / U);
+        f(p.dp + c, 0, s_lo * KS, nstages, last - first + 1);
         u0 += nstages;
     }
 }
@@ -787,9 +792,9 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
 // bulk copies, and decode each 16x16 tile once into shared memory in wgmma's A layout; two consumer warpgroups (64
 // columns each) run wgmma with A and x from shared memory over all BN rows, then the epilogue. Per-stage barriers
 // replace block-wide ones, so decoding runs up to STAGES stages ahead of the tensor cores, across segments too.
-// (ptxas compiles both roles under the launch's per-thread register cap, so the consumers' accumulators bound the
-// producer count.)
-template <int BN, int NP, int KS, int STAGES>
+// (Both roles start with the launch's per-thread register share; with PREG the producers give theirs down to PREG
+// and the consumers take the rest for their accumulators, which is what lets 256 rows run with 8 producer warps.)
+template <int BN, int NP, int KS, int STAGES, int PREG = 0>
 struct WsShape
 {
     static constexpr int NPW = 4 * NP;                  // producer warps
@@ -799,6 +804,16 @@ struct WsShape
     static constexpr int A_STEP = 4096;                 // one k16 step: two 64-column A operands of 8x(8 rows x 16 bytes)
     static constexpr int A_STAGE = KS * A_STEP;
     static constexpr int T_STAGE = UPW * TL::W32;       // trellis words of one producer warp's stage
+    // Registers per thread: the launch's share of the register file, and the consumers' count once the producers
+    // keep only PREG (0: no rebalance).
+    static constexpr int LAUNCH_REGS = (65536 / THREADS) & ~7;
+    static constexpr int CREG_ = ((LAUNCH_REGS * THREADS - 128 * NP * PREG) / 256) & ~7;
+    static constexpr int CREG = CREG_ > 240 ? 240 : CREG_;
+    // ptxas gives one instruction no more than the launch's registers (an n-row wgmma needs n/2 + ~26): below that
+    // it runs as two halves of BN/2 rows (each half's accumulators, the same fragment layout).
+    static constexpr bool HALVES = LAUNCH_REGS < BN / 2 + 32;
+    static_assert(PREG == 0 || (PREG % 8 == 0 && PREG >= 24 && PREG < LAUNCH_REGS && CREG > LAUNCH_REGS),
+                  "a rebalance gives the consumers more than the launch's share");
     static_assert((8 * KS) % NPW == 0, "whole tiles per producer warp");
     static_assert(BN % 64 == 0 && BN <= 256, "wgmma n of 64, 128 or 256 rows");
 };
@@ -868,10 +883,10 @@ __device__ __forceinline__ void ws_tail(const GemmArgs& p, const u16* svh, float
     }
 }
 
-template <int BN, int NP, int KS, int STAGES, bool OUT_BF16, bool STREAM>
+template <int BN, int NP, int KS, int STAGES, bool OUT_BF16, bool STREAM, int PREG>
 __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
 {
-    typedef WsShape<BN, NP, KS, STAGES> SH;
+    typedef WsShape<BN, NP, KS, STAGES, PREG> SH;
     constexpr int W32 = TL::W32;
     constexpr int NW = TL::NW;
     __shared__ __align__(8) u64 bars[2 * STAGES];
@@ -916,6 +931,7 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
     auto advance = [&]() { if (++buf == STAGES) { buf = 0; phase ^= 1; wrapped = true; } };
     if (warp >= 8)
     {
+        if constexpr (PREG != 0) setmaxnreg_dec<PREG>();
         const int pw = warp - 8;
         const u32* trp = tring + pw * STAGES * SH::T_STAGE;
         const u32 tr = smem_addr(trp);
@@ -1012,9 +1028,11 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
             }
             cp_async_wait<0>();
         });
+        return;
     }
     else
     {
+        if constexpr (PREG != 0) setmaxnreg_inc<SH::CREG>();
         const int c = warp >> 2;
         for_each_segment<KS, STREAM>(p, 128, [&](int cb, int split, int, int nstages, int ncontrib) {
             float acc[BN / 2];
@@ -1029,7 +1047,16 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
 #ifndef EXL3_DIAG_NO_MMA  // bound analysis only (wrong results): the pipeline without the tensor-core work
                 #pragma unroll
                 for (int i = 0; i < KS; ++i)  // step i's A is A_STEP bytes further: one add to the start-address field
-                    wgmma_ss<BN>(acc, ad + (u64)((i * SH::A_STEP) >> 4), WgX<BN, KS>::desc_step(xd, i));
+                {
+                    const u64 adi = ad + (u64)((i * SH::A_STEP) >> 4), xdi = WgX<BN, KS>::desc_step(xd, i);
+                    if constexpr (SH::HALVES)  // rows BN/2.. start BN/2 * 128 bytes further in each 64-k group
+                    {
+                        wgmma_ss<BN / 2>(*reinterpret_cast<float(*)[BN / 4]>(acc), adi, xdi);
+                        wgmma_ss<BN / 2>(*reinterpret_cast<float(*)[BN / 4]>(acc + BN / 4), adi, xdi + (u64)((BN / 2 * 128) >> 4));
+                    }
+                    else
+                        wgmma_ss<BN>(acc, adi, xdi);
+                }
 #endif
                 wgmma_commit();
                 // The stage goes back as soon as its wgmmas are done: its x load is the next one the producers issue.
@@ -1109,18 +1136,20 @@ EXL3_WG_STREAM(w64, 64, 4, 4, 4)
 
 // Warp-specialized tiers: (rows of x per block, producer warpgroups, k16 steps per stage, stages); 128 columns per
 // block, two consumer warpgroups.
-#define EXL3_WS_KERNEL(NAME, BN, NP, KS, ST, BF, STREAM) \
+// block, two consumer warpgroups; PREG > 0: the producers keep that many registers per thread, the rest go to the
+// consumers (setmaxnreg).
+#define EXL3_WS_KERNEL(NAME, BN, NP, KS, ST, PREG, BF, STREAM) \
     extern "C" __global__ void __launch_bounds__(128 * (2 + NP), 1) exl3_gemm_##NAME(const GemmArgs p) \
-    { extern __shared__ __align__(128) char smem[]; ws_body<BN, NP, KS, ST, BF, STREAM>(p, smem); }
-#define EXL3_WS_TIER(NAME, BN, NP, KS, ST) \
-    EXL3_WS_KERNEL(NAME##_f16, BN, NP, KS, ST, false, false) \
-    EXL3_WS_KERNEL(NAME##_bf16, BN, NP, KS, ST, true, false) \
-    EXL3_WS_KERNEL(NAME##s_f16, BN, NP, KS, ST, false, true) \
-    EXL3_WS_KERNEL(NAME##s_bf16, BN, NP, KS, ST, true, true)
+    { extern __shared__ __align__(128) char smem[]; ws_body<BN, NP, KS, ST, BF, STREAM, PREG>(p, smem); }
+#define EXL3_WS_TIER(NAME, BN, NP, KS, ST, PREG) \
+    EXL3_WS_KERNEL(NAME##_f16, BN, NP, KS, ST, PREG, false, false) \
+    EXL3_WS_KERNEL(NAME##_bf16, BN, NP, KS, ST, PREG, true, false) \
+    EXL3_WS_KERNEL(NAME##s_f16, BN, NP, KS, ST, PREG, false, true) \
+    EXL3_WS_KERNEL(NAME##s_bf16, BN, NP, KS, ST, PREG, true, true)
 
-EXL3_WS_TIER(x64, 64, 2, 8, 3)
-EXL3_WS_TIER(x128, 128, 2, 4, 4)
-EXL3_WS_TIER(x256, 256, 1, 4, 3)
+EXL3_WS_TIER(x64, 64, 2, 8, 3, 0)
+EXL3_WS_TIER(x128, 128, 2, 4, 4, 0)
+EXL3_WS_TIER(x256, 256, 2, 4, 3, 88)
 #endif
 
 // Large-M path: the dense weight (both Hadamards, suh and svh folded in) of columns col0..col0+cols in the output

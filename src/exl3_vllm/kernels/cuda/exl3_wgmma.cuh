@@ -8,6 +8,10 @@
 EXL3_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 EXL3_INLINE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> EXL3_INLINE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+// Warp-specialized blocks move registers from the producer warpgroups to the consumers' accumulators (all 128
+// threads of a warpgroup run it; the counts are multiples of 8 whose sum over the block fits its launch allocation).
+template <int R> EXL3_INLINE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(R)); }
+template <int R> EXL3_INLINE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(R)); }
 // cp.async writes are generic-proxy; wgmma reads shared memory through the async proxy.
 EXL3_INLINE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
