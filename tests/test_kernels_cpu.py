@@ -206,10 +206,20 @@ def test_plan_wg_tiers(monkeypatch):
 
 
 def test_tune_cache_key_follows_the_tier_set(monkeypatch):
-    """A tune cache timed with another set of tiers (an older build of the same version) is not reused."""
-    from exl3_vllm.kernels import tune, variants
+    """A tune cache timed with another set of tiers, other kernel sources or other stream-k switches (an older build
+    of the same version, or a changed environment) is not reused."""
+    from exl3_vllm.kernels import nvrtc, tune, variants
     tag = tune.tier_set_tag()
     assert len(tag) == 8 and tag == tune.tier_set_tag()
+    monkeypatch.setenv("EXL3_VLLM_STREAMK_DP", "0")
+    assert tune.tier_set_tag() != tag
+    monkeypatch.delenv("EXL3_VLLM_STREAMK_DP")
+    real = nvrtc.read_source
+    monkeypatch.setattr(nvrtc, "read_source",
+                        lambda name: real(name) + (b"// edited" if name == variants.LINEAR_SOURCE else b""))
+    assert tune.tier_set_tag() != tag
+    monkeypatch.setattr(nvrtc, "read_source", real)
+    assert tune.tier_set_tag() == tag
     monkeypatch.setattr(variants, "TIERS", {**variants.TIERS, "zz": variants.TIERS["m16"]})
     assert tune.tier_set_tag() != tag
 

@@ -54,11 +54,16 @@ def layer_key(k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
 
 
 def tier_set_tag() -> str:
-    """A short digest of the kernel tiers and split factors this build times: a cache file timed with another set is
-    not read."""
-    from .variants import TIERS
+    """A short digest of what the timings depend on besides the device: the kernel sources, the tiers, the split
+    factors and the stream-k switches. A cache file timed by another build of the same version is not read."""
+    from .nvrtc import _HEADERS, read_source
+    from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
     tag = ",".join(sorted(TIERS)) + (f";splits{split_bucket()}" if split_bucket() > 0 else "")
-    return hashlib.sha1(tag.encode()).hexdigest()[:8]
+    tag += ";sk" + "".join(os.environ.get(v, "1") for v in ("EXL3_VLLM_STREAMK", "EXL3_VLLM_STREAMK_DP"))
+    h = hashlib.sha1(tag.encode())
+    for name in (LINEAR_SOURCE, IO_SOURCE) + _HEADERS:
+        h.update(read_source(name))
+    return h.hexdigest()[:8]
 
 
 def device_key(index: int) -> str:
