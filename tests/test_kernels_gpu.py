@@ -55,6 +55,18 @@ def _dense64(trellis, suh, svh, cb, sizes):
     return torch.cat(cols, 1)
 
 
+def _run_vs_ref(m, dt, gen, trellis, suh, svh, bias, sizes, cb, w64):
+    """One call on fresh random x into a NaN-poisoned output: (relative error against the fp64 reference, the dtype's
+    own rounding of the reference, whether any output was left unwritten)."""
+    x = torch.randn(m, w64.shape[0], device=DEV, generator=gen).to(dt)
+    b = bias.to(dt)
+    ref = x.double() @ w64 + b.double()
+    out = torch.full((m, w64.shape[1]), float("nan"), dtype=dt, device=DEV)
+    kop.linear_cuda(x, trellis, suh, svh, b, sizes, cb, out=out)
+    torch.cuda.synchronize()
+    return _rel(out, ref), _rel(ref.to(dt), ref), bool(torch.isnan(out).any())
+
+
 @pytest.mark.parametrize("bits,cb", VARIANTS)
 def test_every_m_dtype_and_shards(bits, cb):
     gen = torch.Generator(device=DEV).manual_seed(int(bits * 100) + cb)
@@ -118,15 +130,10 @@ def test_tiers_forced(tier, monkeypatch):
             assert (k, sizes) != stream_layer or pl.stream, (tier, pl)
             for m in sorted({1, 9, bm - 1, bm, bm + 1, 2 * bm + 3}):
                 for dt in DTYPES:
-                    x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
-                    b = bias.to(dt)
-                    ref = x.double() @ w64 + b.double()
-                    out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
-                    kop.linear_cuda(x, trellis, suh if len(sizes) > 1 else suh[0], svh, b, sizes, cb, out=out)
-                    torch.cuda.synchronize()
-                    err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
+                    err, floor, nan = _run_vs_ref(m, dt, gen, trellis, suh if len(sizes) > 1 else suh[0], svh, bias,
+                                                  sizes, cb, w64)
                     worst = max(worst, err)
-                    if not (err <= TOL + floor) or torch.isnan(out).any():
+                    if not (err <= TOL + floor) or nan:
                         fails.append(f"K={bits} cb={cb} k={k} m={m} {dt}: err {err:.2e} (floor {floor:.2e})")
     _report(f"tier {tier} forced: max_rel_err={worst:.3e} over {len(WG_VARIANTS)} variants")
     assert not fails, "\n".join(fails[:20])
@@ -152,15 +159,9 @@ def test_streamk_whole_waves(tier, monkeypatch):
             pl = kop.plan(m, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=math.gcd(*sizes))
             assert pl.stream and 0 < pl.dp < n // 128, pl
             for dt in DTYPES:
-                x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
-                b = bias.to(dt)
-                ref = x.double() @ w64 + b.double()
-                out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
-                kop.linear_cuda(x, trellis, suh, svh, b, sizes, cb, out=out)
-                torch.cuda.synchronize()
-                err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
+                err, floor, nan = _run_vs_ref(m, dt, gen, trellis, suh, svh, bias, sizes, cb, w64)
                 worst = max(worst, err)
-                if not (err <= TOL + floor) or torch.isnan(out).any():
+                if not (err <= TOL + floor) or nan:
                     fails.append(f"K={bits} cb={cb} m={m} {dt}: err {err:.2e} (floor {floor:.2e}) {pl}")
     _report(f"tier {tier} stream-k with whole waves: max_rel_err={worst:.3e}")
     assert not fails, "\n".join(fails)
@@ -207,16 +208,10 @@ def test_dequant_chunks_and_svh_range(svh_scale, monkeypatch):
         w64 = _dense64(trellis, suh, svh, cb, sizes)
         for m in (40, 300, 2048):
             for dt in DTYPES:
-                x = torch.randn(m, k, device=DEV, generator=gen).to(dt)
-                b = bias.to(dt)
-                ref = x.double() @ w64 + b.double()
-                out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
-                kop.linear_cuda(x, trellis, suh, svh, b, sizes, cb, out=out)
-                torch.cuda.synchronize()
-                err, floor = _rel(out, ref), _rel(ref.to(dt), ref)
+                err, floor, nan = _run_vs_ref(m, dt, gen, trellis, suh, svh, bias, sizes, cb, w64)
                 worst = max(worst, err)
                 # three roundings in x's dtype (W, x @ W, + bias) where the fused kernels have one: two floors
-                assert not torch.isnan(out).any() and err <= TOL + 2 * floor, (bits, cb, m, dt, err, floor)
+                assert not nan and err <= TOL + 2 * floor, (bits, cb, m, dt, err, floor)
     _report(f"dequant 256-column chunks, svh x{svh_scale:g}: max_rel_err={worst:.3e}")
 
 

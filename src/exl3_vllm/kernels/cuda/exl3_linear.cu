@@ -1028,7 +1028,6 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
             }
             cp_async_wait<0>();
         });
-        return;
     }
     else
     {
@@ -1134,9 +1133,8 @@ EXL3_WG_STREAM(w32, 32, 2, 8, 4)
 EXL3_WG_STREAM(w64n, 64, 2, 4, 4)
 EXL3_WG_STREAM(w64, 64, 4, 4, 4)
 
-// Warp-specialized tiers: (rows of x per block, producer warpgroups, k16 steps per stage, stages); 128 columns per
-// block, two consumer warpgroups.
-// block, two consumer warpgroups; PREG > 0: the producers keep that many registers per thread, the rest go to the
+// Warp-specialized tiers: (rows of x per block, producer warpgroups, k16 steps per stage, stages, PREG); 128 columns
+// per block, two consumer warpgroups; PREG > 0: the producers keep that many registers per thread, the rest go to the
 // consumers (setmaxnreg).
 #define EXL3_WS_KERNEL(NAME, BN, NP, KS, ST, PREG, BF, STREAM) \
     extern "C" __global__ void __launch_bounds__(128 * (2 + NP), 1) exl3_gemm_##NAME(const GemmArgs p) \
