@@ -2,6 +2,8 @@
 decode, no x loads; wrong results by design), one process per switch set, so the parts' costs can be compared.
 
 python bench/bound_tier.py --tiers x256:s1,x128 --layer 8192x28672 --ms 128,256
+A switch that is not one of SWITCHES is a compile-time variant to compare: defines joined by '+', e.g.
+--switches full,EXL3_DIAG_NO_X+EXL3_DIAG_NO_MMA
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main() -> int:
         return 0
     table = {}
     for sw in args.switches.split(","):
-        env = dict(os.environ, EXL3_VLLM_EXTRA_DEFINES=SWITCHES[sw], EXL3_VLLM_TUNE="0")
+        env = dict(os.environ, EXL3_VLLM_EXTRA_DEFINES=SWITCHES.get(sw, sw.replace("+", ",")), EXL3_VLLM_TUNE="0")
         cmd = [sys.executable, __file__, "--child"] + [f"--{a}={getattr(args, a)}" for a in ("tiers", "layer", "ms", "bits", "cb")]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)

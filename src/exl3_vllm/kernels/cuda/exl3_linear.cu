@@ -811,6 +811,8 @@ struct WsShape
     static constexpr int CREG = CREG_ > 240 ? 240 : CREG_;
     // ptxas gives one instruction no more than the launch's registers (an n-row wgmma needs n/2 + ~26): below that
     // it runs as two halves of BN/2 rows (each half's accumulators, the same fragment layout).
+    // Halves read each A tile once into registers (ldmatrix) for both, instead of once per half from shared memory,
+    // whose pipe bounds these tiers.
     static constexpr bool HALVES = LAUNCH_REGS < BN / 2 + 32;
     static_assert(PREG == 0 || (PREG % 8 == 0 && PREG >= 24 && PREG < LAUNCH_REGS && CREG > LAUNCH_REGS),
                   "a rebalance gives the consumers more than the launch's share");
@@ -1033,6 +1035,8 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
     {
         if constexpr (PREG != 0) setmaxnreg_inc<SH::CREG>();
         const int c = warp >> 2;
+        // ldmatrix row address of this warp's 16 rows of its consumer's A tile (the inverse of the producers' stmatrix).
+        const u32 a_lane = c * 2048 + (warp & 3) * 512 + ((lane >> 3) & 1) * 256 + (lane >> 4) * 128 + (lane & 7) * 16;
         for_each_segment<KS, STREAM>(p, 128, [&](int cb, int split, int, int nstages, int ncontrib) {
             float acc[BN / 2];
             #pragma unroll
@@ -1042,6 +1046,14 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 mbar_wait(full + 8 * buf, phase);
                 const u64 ad = smem_desc(sa + buf * SH::A_STAGE + c * 2048, 128, 256);
                 const u64 xd = WgX<BN, KS>::desc(sx + buf * SH::X_STAGE, 0);
+                // Halves: every step's A fragments of the stage in their own registers (none is rewritten while a wgmma
+                // reads it).
+                u32 af[SH::HALVES ? KS : 1][4];
+                if constexpr (SH::HALVES)
+                {
+                    #pragma unroll
+                    for (int i = 0; i < KS; ++i) ldmatrix_x4(af[i], sa + buf * SH::A_STAGE + i * SH::A_STEP + a_lane);
+                }
                 wgmma_fence();
 #ifndef EXL3_DIAG_NO_MMA  // bound analysis only (wrong results): the pipeline without the tensor-core work
                 #pragma unroll
@@ -1050,8 +1062,9 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                     const u64 adi = ad + (u64)((i * SH::A_STEP) >> 4), xdi = WgX<BN, KS>::desc_step(xd, i);
                     if constexpr (SH::HALVES)  // rows BN/2.. start BN/2 * 128 bytes further in each 64-k group
                     {
-                        wgmma_ss<BN / 2>(*reinterpret_cast<float(*)[BN / 4]>(acc), adi, xdi);
-                        wgmma_ss<BN / 2>(*reinterpret_cast<float(*)[BN / 4]>(acc + BN / 4), adi, xdi + (u64)((BN / 2 * 128) >> 4));
+                        const u32 (&a)[4] = af[SH::HALVES ? i : 0];
+                        wgmma_rs<BN / 2>(*reinterpret_cast<float(*)[BN / 4]>(acc), a, xdi);
+                        wgmma_rs<BN / 2>(*reinterpret_cast<float(*)[BN / 4]>(acc + BN / 4), a, xdi + (u64)((BN / 2 * 128) >> 4));
                     }
                     else
                         wgmma_ss<BN>(acc, adi, xdi);
@@ -1147,7 +1160,8 @@ EXL3_WG_STREAM(w64, 64, 4, 4, 4)
 
 EXL3_WS_TIER(x64, 64, 2, 8, 3, 0)
 EXL3_WS_TIER(x128, 128, 2, 4, 4, 0)
-EXL3_WS_TIER(x256, 256, 2, 4, 3, 88)
+// x256's producers keep 80 registers so the consumers' 176 hold the accumulators and a stage's A fragments.
+EXL3_WS_TIER(x256, 256, 2, 4, 3, 80)
 #endif
 
 // Large-M path: the dense weight (both Hadamards, suh and svh folded in) of columns col0..col0+cols in the output
