@@ -24,6 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+from exl3_vllm.kernels import clock  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us as graph_time  # noqa: E402  (bench_moe imports it from here)
 
@@ -32,6 +33,8 @@ ALL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 CB = {"3inst": 0, "mcg": 1, "mul1": 2}
 PEER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer")
 NA = "–"
+# Rows up to this many are timed on a rested clock (no power cap left from the previous large-M rows).
+LIGHT_M = 256
 # exllamav3 1.6.5 modules/quant/exl3.py: exl3_gemm up to this many rows, reconstruct + hgemm above
 PEER_RECON_ABOVE = 144
 PEER_FUSED_FROM = 1024  # its fused reconstruct (both Hadamards folded into the weights) from this many rows
@@ -188,6 +191,7 @@ def main():
             kop.prepare(k, n, bits, cb, max(ms), dev)
             t_prep = time.time() - t_prep
             sink = torch.empty(sms * 8 * 256, dtype=torch.int32, device=dev)
+            clock.rest(0)
             td = graph_time([lambda t=t: kop.decode_floor(t, cb, sink) for t in (trs * 4)[:max(args.calls, nc)]], args.reps)
             decode_rate = k * n / (td * 1e-6)
             print(f"layer {k}x{n} K={bits} {cbn}: decode-only {td:.1f} us ({decode_rate / 1e12:.2f} Tweights/s), "
@@ -196,6 +200,8 @@ def main():
                 if late():
                     break
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                if m <= LIGHT_M:
+                    clock.rest(0)
                 if m not in base:
                     calls = [lambda wt=wt: torch.nn.functional.linear(x, wt) for wt in (wbs * args.calls)[:args.calls]]
                     base[m] = graph_time(calls, args.reps)
@@ -230,7 +236,10 @@ def main():
                         os.environ.pop("EXL3_VLLM_TIER", None)
                         print(f"{k}x{n} M={m} {pname}: skipped ({str(e)[:80]})", flush=True)
                         continue
+                    if m <= LIGHT_M:
+                        clock.rest(0)
                     t_ours = graph_time(calls, args.reps)
+                    mhz = clock.sm_mhz(0)
                     os.environ.pop("EXL3_VLLM_TIER", None)
                     nbytes = tbytes + m * k * 2 + m * n * 2
                     flops = 2 * m * k * n
@@ -241,7 +250,8 @@ def main():
                                speedup=round(tb / t_ours, 3), GBps=round(nbytes / t_ours / 1e3, 1),
                                TFLOPs=round(flops / t_ours / 1e6, 2), floor_us=round(floor * 1e6, 2),
                                pct_floor=round(100 * floor * 1e6 / t_ours, 1), decode_only_us=round(td, 2),
-                               exllamav3_us=NA, exllamav3_path=NA, exllamav3_speedup=NA, ours_vs_exllamav3=NA)
+                               exllamav3_us=NA, exllamav3_path=NA, exllamav3_speedup=NA, ours_vs_exllamav3=NA,
+                               sm_mhz=mhz if mhz is not None else NA)
                     rows.append(row)
                     print(f"{row['layer']:>11} K={bits} {cbn:5s} M={m:5d} {pname:7s} ours {t_ours:9.2f} us  bf16 {tb:9.2f} us  "
                           f"x{tb / t_ours:5.2f}  floor {floor * 1e6:8.2f} us ({row['pct_floor']:5.1f}%)", flush=True)
@@ -286,7 +296,9 @@ def main():
                 f"- command: `python bench/bench_linear.py {' '.join(sys.argv[1:])}`\n"
                 f"- measured ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 GEMM {gemm_rate / 1e12:.0f} TFLOP/s\n"
                 f"- method: CUDA graph of {args.calls} calls on rotating weight copies (>= {args.pool_gb} GB pool or "
-                f"<= 256 copies), median of {args.reps} replays; floor = max(bytes/BW, weights/decode-only rate, flops/GEMM rate)\n"
+                f"<= 256 copies), median of {args.reps} replays; floor = max(bytes/BW, weights/decode-only rate, flops/GEMM rate); "
+                f"rows with M <= {LIGHT_M} and the decode-only pass wait for NVML to report no power or thermal clock "
+                f"cap (kernels/clock.py); sm_mhz: the SM clock read right after ours\n"
                 f"- exllamav3: " + (f"{peer.PEER} ({os.path.basename(peer.__file__)}), what its LinearEXL3.forward runs: "
                                     f"exl3_gemm (own dispatch, path column) up to {PEER_RECON_ABOVE} rows, else reconstruct + "
                                     f"hgemm_recon; fp16 x, same trellis copies / suh / svh, same graph timing; "

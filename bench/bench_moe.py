@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_linear import CB, copies_for, graph_time, measure_ceilings  # noqa: E402  (also puts src/ on sys.path)
-from clocks import Clocks  # noqa: E402
+from exl3_vllm.kernels import clock  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 
 ALL_T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -333,7 +333,6 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tokens = [int(v) for v in args.tokens.split(",")] if args.tokens else ALL_T
     configs = [(int(c.split(":")[0]), c.split(":")[1]) for c in args.configs.split(",") if c]
-    clock = Clocks()
     log = []
 
     bw, gemm_rate = measure_ceilings(args.reps)
@@ -500,7 +499,7 @@ def main():
         berr = ""
         try:
             if t <= LIGHT_T:
-                clock.wait_rested()
+                clock.rest(0)
             if base_kind == "grouped" and base_mode == "graph":
                 calls = [lambda r=r, wc=wc: bf16_moe(x, r[0], r[1], wc[0], wc[1], I, e_range)
                          for r, wc in zip(routes, (bfw * args.calls)[:args.calls])]
@@ -524,7 +523,7 @@ def main():
         if vfe is not None:
             try:
                 if t <= LIGHT_T:
-                    clock.wait_rested()
+                    clock.rest(0)
                 calls = [lambda r=r, wc=wc: vfe(x, wc[0], wc[1], r[1], r[0])
                          for r, wc in zip(routes, (vfw * args.calls)[:args.calls])]
                 with vctx():
@@ -552,8 +551,8 @@ def main():
             else:
                 try:
                     if t <= LIGHT_T:
-                        clock.wait_rested()
-                    row["sm_mhz"] = clock.sm()
+                        clock.rest(0)
+                    row["sm_mhz"] = clock.sm_mhz(0)
                     cb, nc = ent["cb"], ent["nc"]
                     args13 = [[ent["w13"][i % nc]] for i in range(args.calls)]
                     args2 = [[ent["w2"][i % nc]] for i in range(args.calls)]

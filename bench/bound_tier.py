@@ -3,7 +3,7 @@ decode, no x loads; wrong results by design), one process per switch set, so the
 
 python bench/bound_tier.py --tiers x256:s1,x128 --layer 8192x28672 --ms 128,256
 A switch that is not one of SWITCHES is a compile-time variant to compare: defines joined by '+', e.g.
---switches full,EXL3_DIAG_NO_X+EXL3_DIAG_NO_MMA
+--switches full,EXL3_DIAG_NO_X+EXL3_DIAG_NO_DECODE
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 SWITCHES = {"full": "", "no-mma": "EXL3_DIAG_NO_MMA", "no-decode": "EXL3_DIAG_NO_DECODE",
-            "no-x": "EXL3_DIAG_NO_X", "loads": "EXL3_DIAG_NO_MMA,EXL3_DIAG_NO_DECODE"}
+            "no-x": "EXL3_DIAG_NO_X", "loads": "EXL3_DIAG_NO_MMA,EXL3_DIAG_NO_DECODE",
+            "trellis": "EXL3_DIAG_NO_X,EXL3_DIAG_NO_MMA,EXL3_DIAG_NO_DECODE"}
 
 
 def child(args) -> None:

@@ -260,6 +260,35 @@ def test_tune_cache_file_merges_and_survives_damage(tmp_path):
     assert tune.read_table(path) == {}
 
 
+def test_clock_rest_waits_out_the_power_cap(monkeypatch):
+    """The tuner's rest: returns at once without NVML or without a cap; waits while a power/thermal reason is set, and
+    gives up at its timeout."""
+    from exl3_vllm.kernels import clock
+    monkeypatch.setattr(clock, "reasons", lambda index: None)
+    assert clock.rest(0) < 0.05
+    seq = iter([0x4, 0x4, 0x40, 0x1])  # power cap, power cap, HW thermal, then only "idle"
+    monkeypatch.setattr(clock, "reasons", lambda index: next(seq))
+    assert 0.05 <= clock.rest(0) < 1.0
+    monkeypatch.setattr(clock, "reasons", lambda index: 0x4)
+    assert 0.2 <= clock.rest(0, timeout=0.2) < 0.5
+
+
+def test_tune_rests_before_light_buckets(monkeypatch):
+    """Buckets up to LIGHT_BUCKET rows are timed on a rested clock; the large ones (which cause the cap) are not."""
+    from exl3_vllm.kernels import clock, tune
+    rested = []
+    monkeypatch.setattr(clock, "rest", lambda index, timeout=3.0: rested.append(index) or 0.0)
+    monkeypatch.setattr(tune, "_time_all", lambda x, y, trs, suh, svh, sizes, cb, b, cands, times: times.update({"dequant": 1.0}))
+    monkeypatch.setattr(tune, "candidates", lambda *a: ["dequant"])
+
+    class D:
+        index, device, sms, smem_limit, arch = 0, torch.device("cpu"), 132, 227 * 1024, 90
+    table = {}
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    tune._measure(D(), 256, 256, 4, 2, [256], [1, 256, 512, 1024], table)
+    assert rested == [0, 0] and table == {1: "dequant", 256: "dequant", 512: "dequant", 1024: "dequant"}
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fake_impl_shapes(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -21,11 +21,15 @@ from typing import List, Optional
 
 import torch
 
+from . import clock
 from .nvrtc import KernelError, cache_dir, nvrtc_version
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Weight copies rotate through at least this many bytes so small layers are not timed from L2.
 _ROTATE_BYTES = 192 << 20
+
+# Buckets up to this many rows are timed on a rested clock (kernels/clock.py): their kernels are decode-bound.
+LIGHT_BUCKET = 256
 
 # Buckets up to this many rows also time other split-k factors (EXL3_VLLM_TUNE_SPLITS overrides, 0: none).
 DEFAULT_SPLIT_BUCKET = 512
@@ -255,6 +259,8 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
     col_align = math.gcd(*sizes)
     try:
         for b in todo:
+            if b <= LIGHT_BUCKET:
+                clock.rest(d.index)
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16, generator=g)
             y = torch.empty(b, n_total, device=dev, dtype=torch.bfloat16)
             times: dict[str, float] = {}
