@@ -22,6 +22,7 @@ def main() -> int:
     ap.add_argument("--tiers", required=True)
     ap.add_argument("--ms", default="1,37,64,129,256,300")
     ap.add_argument("--tol", type=float, default=3e-3)
+    ap.add_argument("--sizes", default="256,384", help="shard widths of the fused layer (256-column tiers need multiples of 256)")
     ap.add_argument("--configs", default="4:2,3:1,2.5:2,8:0", help="K:codebook pairs (codebook 0/1/2 = 3inst/mcg/mul1)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -30,7 +31,7 @@ def main() -> int:
     bad = 0
     for bits, cb in ((float(c.split(":")[0]), int(c.split(":")[1])) for c in args.configs.split(",")):
         bits = int(bits) if bits == int(bits) else bits
-        k, sizes = 2048, [256, 384]
+        k, sizes = 2048, [int(v) for v in args.sizes.split(",")]
         n = sum(sizes)
         w = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
         tr = torch.randint(-32768, 32768, (k // 16, n // 16, w), dtype=torch.int16, device=dev, generator=g)

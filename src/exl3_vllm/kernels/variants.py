@@ -66,7 +66,7 @@ TIERS = {t.name: t for t in (
     Tier("h16", 16, 4, 4, 8, 4, stream=True, xb=True),
     Tier("w16", 16, 1, 1, 8, 4, wg=2),
     Tier("w32", 32, 1, 1, 8, 4, wg=2, stream=True),
-    Tier("w64", 64, 1, 1, 4, 4, wg=4, stream=True),
+    Tier("w64", 64, 1, 1, 8, 4, wg=4, stream=True),
     Tier("w128", 128, 1, 1, 4, 4, wg=4),
     # 128-column twins for layers whose shards are not multiples of 256 columns
     Tier("w64n", 64, 1, 1, 4, 4, wg=2, stream=True),

@@ -1140,11 +1140,11 @@ EXL3_WG_TIER(w16, 16, 2, 8, 4)
 EXL3_WG_TIER(w32, 32, 2, 8, 4)
 EXL3_WG_TIER(w64n, 64, 2, 4, 4)
 EXL3_WG_TIER(w128n, 128, 2, 4, 4)
-EXL3_WG_TIER(w64, 64, 4, 4, 4)
+EXL3_WG_TIER(w64, 64, 4, 8, 4)
 EXL3_WG_TIER(w128, 128, 4, 4, 4)
 EXL3_WG_STREAM(w32, 32, 2, 8, 4)
 EXL3_WG_STREAM(w64n, 64, 2, 4, 4)
-EXL3_WG_STREAM(w64, 64, 4, 4, 4)
+EXL3_WG_STREAM(w64, 64, 4, 8, 4)
 
 // Warp-specialized tiers: (rows of x per block, producer warpgroups, k16 steps per stage, stages, PREG); 128 columns
 // per block, two consumer warpgroups; PREG > 0: the producers keep that many registers per thread, the rest go to the
