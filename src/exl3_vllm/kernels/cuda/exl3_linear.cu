@@ -1062,7 +1062,7 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                     const u64 adi = ad + (u64)((i * SH::A_STEP) >> 4), xdi = WgX<BN, KS>::desc_step(xd, i);
                     if constexpr (SH::HALVES)  // rows BN/2.. start BN/2 * 128 bytes further in each 64-k group
                     {
-                        const u32 (&a)[4] = af[SH::HALVES ? i : 0];
+                        const u32 (&a)[4] = af[i];
                         wgmma_rs<BN / 2>(*reinterpret_cast<float(*)[BN / 4]>(acc), a, xdi);
                         wgmma_rs<BN / 2>(*reinterpret_cast<float(*)[BN / 4]>(acc + BN / 4), a, xdi + (u64)((BN / 2 * 128) >> 4));
                     }
