@@ -408,6 +408,26 @@ def _check_deterministic_forced(monkeypatch, tier, m, seed, **plan_kw):
         assert torch.equal(kop.linear_cuda(x, trellis, suh, svh, bias, sizes, cb), first)
 
 
+def test_x_view_at_odd_offset():
+    """x a contiguous view starting 2 bytes into its storage (the kernels read x in 8- and 16-byte words): the op
+    copies it to an aligned buffer instead of faulting, whichever input transform the tier uses (int8, fp16, staged)."""
+    gen = torch.Generator(device=DEV).manual_seed(31)
+    k, sizes = 1024, [256, 128]
+    n = sum(sizes)
+    for bits, cb, m in ((4, 2, 3), (3, 1, 5), (4, 1, 40)):
+        trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
+        w64 = _dense64(trellis, suh, svh, cb, sizes)
+        for dt in DTYPES:
+            x = torch.randn(m * k + 1, device=DEV, generator=gen).to(dt)[1:].view(m, k)
+            assert x.data_ptr() % 4 == 2
+            b = bias.to(dt)
+            ref = x.double() @ w64 + b.double()
+            out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+            kop.linear_cuda(x, trellis, suh, svh, b, sizes, cb, out=out)
+            torch.cuda.synchronize()
+            assert _rel(out, ref) <= TOL + _rel(ref.to(dt), ref), (bits, cb, m, dt)
+
+
 def test_bad_input_errors():
     gen = torch.Generator(device=DEV).manual_seed(1)
     trellis, suh, svh, _ = _layer(256, 256, 4, 1, gen)

@@ -340,8 +340,8 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     k, n_total, sizes, bits = _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    if not x2.is_contiguous() or x2.data_ptr() % 16:  # the kernels read x in 8- and 16-byte words
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     m = x2.shape[0]
     y = out if out is not None else torch.empty(m, n_total, dtype=x.dtype, device=x.device)
     if m == 0:
