@@ -23,44 +23,22 @@ from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402
 _launch = nvrtc.launch
 
 
-class _Stop(Exception):
-    pass
-
-
-def _launches(f) -> int:
+def _launches(f, keep=lambda i: True) -> int:
+    """Run f with the op's kernel launches filtered (keep(i): whether launch i of this call goes out); returns how
+    many launches f made."""
     count = [0]
 
-    def counted(*a, **kw):
+    def filtered(*a, **kw):
         count[0] += 1
-        _launch(*a, **kw)
+        if keep(count[0] - 1):
+            _launch(*a, **kw)
 
-    nvrtc.launch = counted
+    nvrtc.launch = filtered
     try:
         f()
     finally:
         nvrtc.launch = _launch
     return count[0]
-
-
-def _with_launches(f, keep):
-    """Run f with the op's kernel launches filtered: keep(i) says whether launch i of this call goes out."""
-    count = [0]
-
-    def filtered(*a, **kw):
-        i = count[0]
-        count[0] += 1
-        if keep(i):
-            _launch(*a, **kw)
-        if i == 0 and keep(0) and not keep(1):
-            raise _Stop()
-
-    nvrtc.launch = filtered
-    try:
-        f()
-    except _Stop:
-        pass
-    finally:
-        nvrtc.launch = _launch
 
 
 def main() -> int:
@@ -94,7 +72,7 @@ def main() -> int:
 
                 def call(t, keep=None):
                     f = lambda: kop.linear_cuda(x, t, suh, svh, None, [n], cb)  # noqa: E731
-                    return f() if keep is None else _with_launches(f, keep)
+                    return f() if keep is None else _launches(f, keep)
 
                 full = graph_time_us([lambda t=t: call(t) for t in ts], args.reps)
                 gemm = xform = "–"
