@@ -76,6 +76,34 @@ def test_plan_shapes():
     assert kop.plan(4096, 4096, 4096, 4, 132).path == "dequant"
 
 
+def test_fused_input_choice(monkeypatch):
+    """h8 / h16 with fixed split-k transform their own x when the repeated transform work per resident-block slot is
+    small, the grid is at most two waves and two blocks still fit an SM; never stream-k or the int8 tiers;
+    EXL3_VLLM_FUSED_INPUT=0: never."""
+    h8, h16 = TIERS["h8"], TIERS["h16"]
+    lim = 227 * 1024
+
+    def fx(tier, m, k, n, force, smem=lim):
+        return kop.fused_input(TIERS[tier], kop.plan(m, k, n, 4, 132, codebook=2, force=force), m, n, 4, 132, smem)
+    assert fx("h8", 1, 4096, 4096, "h8:s8")            # 256 blocks x 4 pieces: 3.9 per slot
+    assert fx("h8", 1, 4096, 4096, "h8:s16")           # 512 blocks: two waves
+    assert not fx("h8", 1, 4096, 4096, "h8:s32")       # four waves
+    assert fx("h8", 4, 4096, 4096, "h8:s8")            # 15.5 pieces per slot
+    assert not fx("h8", 8, 4096, 4096, "h8:s8")        # 31
+    assert fx("h8", 1, 14336, 4096, "h8:s4")           # 128 blocks x 28 stages: 13.6
+    assert fx("h8", 1, 4096, 14336, "h8:s1")           # 112 blocks x 32 stages
+    assert not fx("h8", 1, 8192, 28672, "h8:s4")       # 54 pieces per slot
+    assert not fx("h8", 1, 8192, 4096, "h8:s1")        # 64 stages of x: one block per SM
+    assert not fx("h8", 1, 4096, 4096, "h8:s8", 64 * 1024)
+    assert not fx("i4", 1, 4096, 4096, "i4:s8")
+    streamed = kop.plan(8, 4096, 28672, 4, 132, force="h8")
+    assert streamed.stream and not kop.fused_input(h8, streamed, 8, 28672, 4, 132, lim)
+    monkeypatch.setenv("EXL3_VLLM_FUSED_INPUT", "0")
+    assert not fx("h8", 1, 4096, 4096, "h8:s8")
+    assert h8.smem_fx(4, 32) == 4 * 8 * 8 * 32 * 4 + 8 * (32 * 16 + 8) * 2
+    assert h16.smem_fx(4, 8) == 4 * 8 * 8 * 32 * 4 + 16 * (8 * 16 + 8) * 2
+
+
 def test_large_m_path_workspace():
     """The large-M path reserves only its weight scratch (no activation buffers)."""
     p = kop.plan(4096, 8192, 28672, 4, 132)

@@ -428,6 +428,47 @@ def test_x_view_at_odd_offset():
             assert _rel(out, ref) <= TOL + _rel(ref.to(dt), ref), (bits, cb, m, dt)
 
 
+@pytest.mark.parametrize("tier", ["h8", "h16"])
+def test_fused_input_equals_transform_kernel(tier, monkeypatch):
+    """h8 / h16 transforming their own rows of x (the "fx" twins) against the same plan after the input-transform
+    kernel: bit-identical in deterministic mode (same arithmetic) and exact against the reference, over blocks of 1,
+    8 and 16 stages, partial and full row blocks, fused shards with their own suh, both dtypes, x at an odd offset."""
+    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bm = kop.TIERS[tier].bm
+    gen = torch.Generator(device=DEV).manual_seed(bm + 77)
+    k, sizes = 4096, [128, 256, 128]
+    n = sum(sizes)
+    worst, runs = 0.0, 0
+    for bits, cb in ((4, 2), (3, 1), (2, 0)):
+        trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
+        w64 = _dense64(trellis, suh, svh, cb, sizes)
+        for splits in (2, 4, 32):
+            force = f"{tier}:s{splits}"
+            for m in (1, 3, bm):
+                p = kop.plan(m, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=128, force=force)
+                assert p.steps_per_split == 256 // splits and not p.stream, p
+                for dt in DTYPES:
+                    x = torch.randn(m * k + 1, device=DEV, generator=gen).to(dt)
+                    x = x[1:].view(m, k) if m == 3 else x[:-1].view(m, k)
+                    b = bias.to(dt)
+                    outs = []
+                    for limit in ("100000", "0"):
+                        monkeypatch.setenv("EXL3_VLLM_FUSED_INPUT", limit)
+                        assert kop.fused_input(kop.TIERS[tier], p, m, n, bits, sms, 227 * 1024) == (limit != "0")
+                        out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
+                        kop.linear_cuda(x, trellis, suh, svh, b, sizes, cb, out=out, force=force)
+                        outs.append(out)
+                    torch.cuda.synchronize()
+                    ref = x.double() @ w64 + b.double()
+                    err = _rel(outs[0], ref)
+                    worst = max(worst, err)
+                    runs += 1
+                    assert torch.equal(outs[0], outs[1]), (bits, cb, force, m, dt)
+                    assert err <= TOL + _rel(ref.to(dt), ref) and not torch.isnan(outs[0]).any(), (bits, cb, force, m)
+    _report(f"fused input {tier}: {runs} calls bit-identical to the transform kernel, max_rel_err={worst:.3e}")
+
+
 def test_bad_input_errors():
     gen = torch.Generator(device=DEV).manual_seed(1)
     trellis, suh, svh, _ = _layer(256, 256, 4, 1, gen)

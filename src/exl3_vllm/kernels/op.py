@@ -50,6 +50,23 @@ def pdl_enabled(arch: int) -> bool:
     return arch >= 90 and os.environ.get("EXL3_VLLM_PDL", "1") != "0"
 
 
+# Default for EXL3_VLLM_FUSED_INPUT: the most (row, 128-k chunk) pieces of x transformed per resident-block slot when
+# every h8 / h16 block transforms its own rows (bench/results/2026-12-04-fused-input-h200.md).
+DEFAULT_FUSED_PIECES = 16
+
+
+def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, smem_limit: int) -> bool:
+    """h8 / h16 with fixed split-k transform their own rows of x in the prologue instead of after an input-transform
+    launch. Every column block repeats that work and a block's prologue waits on it, so only where the repeated work
+    per resident-block slot is small, the grid is at most two waves and two blocks still fit an SM."""
+    limit = float(os.environ.get("EXL3_VLLM_FUSED_INPUT", DEFAULT_FUSED_PIECES))
+    slots = 2 * sms
+    blocks = (n_total // tier.cols) * p.splits * -(-m // tier.bm)
+    pieces = min(m, tier.bm) * (p.steps_per_split // tier.ks)
+    return (tier.xb and not tier.int8 and not p.stream and blocks * pieces <= limit * slots and blocks <= 2 * slots
+            and tier.smem_fx(bits, p.steps_per_split) <= smem_limit // 2 - 1024)
+
+
 def _large_m() -> int:
     return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M))
 
@@ -188,7 +205,8 @@ class _GemmArgs(ctypes.Structure):
                 ("mode", ctypes.c_int32), ("nshards", ctypes.c_int32), ("shard_end", ctypes.c_int32 * 8),
                 ("stream", ctypes.c_int32), ("xmeta", ctypes.c_uint64), ("block_expert", ctypes.c_uint64),
                 ("expert_where", ctypes.c_uint64), ("expert_words", ctypes.c_int64), ("group", ctypes.c_int32),
-                ("mblocks", ctypes.c_int32), ("dp", ctypes.c_int32)]
+                ("mblocks", ctypes.c_int32), ("dp", ctypes.c_int32), ("xraw", ctypes.c_uint64),
+                ("suh", ctypes.c_uint64)]
 
 
 MAX_SHARDS = 8
@@ -371,7 +389,10 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
                      [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
                       ctypes.c_uint64(xh.data_ptr()), ctypes.c_uint64(xmeta.data_ptr()), ctypes.c_int32(m),
                       ctypes.c_int32(k)])
-    else:
+    fx = fused_input(tier, p, m, n_total, bits, d.sms, d.smem_limit)
+    if fx:
+        xh = x2  # unused by the kernel; any valid pointer
+    elif not tier.int8:
         xh = d.buf("xh", S * m * k, torch.float16)
         launch_input(d, io, stream, x2, suh, xh, m, k, S, staged=bool(tier.ws))
 
@@ -396,8 +417,10 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     a.xmeta = _ptr(xmeta)
     a.stream, a.dp = p.stream, p.dp
     a.mblocks = 1
-    smem = tier.smem(bits)
-    f = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else ""), bf), smem)
+    if fx:
+        a.xraw, a.suh = x2.data_ptr(), suh.data_ptr()
+    smem = tier.smem_fx(bits, p.steps_per_split) if fx else tier.smem(bits)
+    f = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else "fx" if fx else ""), bf), smem)
     grid = (p.stream, 1, mblocks) if p.stream else (n_total // tier.cols, p.splits, mblocks)
     nvrtc.launch(f, grid, (tier.threads, 1, 1), smem, stream, [a], overlap_previous=pdl_enabled(d.arch))
     if det and p.splits > 1:

@@ -64,6 +64,7 @@ def tier_set_tag() -> str:
     from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
     tag = ",".join(sorted(TIERS)) + (f";splits{split_bucket()}" if split_bucket() > 0 else "")
     tag += ";sk" + "".join(os.environ.get(v, "1") for v in ("EXL3_VLLM_STREAMK", "EXL3_VLLM_STREAMK_DP"))
+    tag += ";fx" + os.environ.get("EXL3_VLLM_FUSED_INPUT", "")
     h = hashlib.sha1(tag.encode())
     for name in (LINEAR_SOURCE, IO_SOURCE) + _HEADERS:
         h.update(read_source(name))

@@ -53,6 +53,11 @@ class Tier:
         stage = self.ks * 8 * w32 * 4 + a_stage
         return max(self.stages * stage, self.bm * 132 * 4)
 
+    def smem_fx(self, bits: float, steps: int) -> int:
+        """The "fx" twin of h8 / h16: trellis stages, then the block's rows of x over its steps k16 steps."""
+        w32 = 8 * int(bits) + (4 if bits != int(bits) else 0)
+        return max(self.stages * self.ks * 8 * w32 * 4 + self.bm * (steps * 16 + 8) * 2, self.bm * 132 * 4)
+
 
 # Must match the EXL3_TIER / EXL3_FEW_TIER / EXL3_WG_TIER / EXL3_WS_TIER lines of exl3_linear.cu.
 TIERS = {t.name: t for t in (

@@ -35,6 +35,10 @@ struct GemmArgs
     int group;
     int mblocks;          // row blocks in xh / xq (1 for a dense layer)
     int dp;               // stream-k: column blocks run whole first, a multiple of grid.x (no partial sums for them)
+    // The h8 / h16 "fx" kernels: the raw rows [m, k] in the output dtype and suh [S, k]; each block transforms its
+    // own rows and k range into shared memory (xh unused), so the call needs no input-transform launch.
+    const u16* xraw;
+    const u16* suh;
 };
 
 constexpr int RLD = 132;  // padded fp32 row of the 128-column reduction tile, avoids bank conflicts
@@ -303,11 +307,66 @@ EXL3_INLINE void kwarp_reduce(const int kw, const PUT& put)
     }
 }
 
+// The h8 / h16 "fx" kernels' prologue: rows x nst 128-column chunks of x from k column kcol on, times shard suh and
+// through the Hadamard-128, as fp16 rows of ld halves at sx (one warp per chunk, 4 chunks' loads in flight per warp);
+// rows past `rows` up to BM are zeros. Same arithmetic as the input-transform kernel, so the same fp16 values.
+template <int BM, int NWARPS, bool IN_BF16>
+struct XTransform
+{
+    const u16* x; const u16* suh; int k, rows, nst, kcol;
+    uint2 xv[4], sv[4];
+    // The raw words of chunks c0, c0 + NWARPS, .. (4 of them) into registers.
+    EXL3_INLINE void load(const int c0, const int lane)
+    {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j)
+        {
+            const int c = c0 + j * NWARPS;
+            if (c >= rows * nst) continue;
+            const int r = c / nst, col = kcol + (c - r * nst) * 128 + lane * 4;
+            xv[j] = *(const uint2*)(x + (size_t)r * k + col);
+            sv[j] = *(const uint2*)(suh + col);
+        }
+    }
+    EXL3_INLINE void store(const int c0, const int lane, u16* sx, const int ld) const
+    {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j)
+        {
+            const int c = c0 + j * NWARPS;
+            if (c >= rows * nst) continue;
+            const int r = c / nst, col = (c - r * nst) * 128 + lane * 4;
+            float v[4] = {ld2f<IN_BF16>(xv[j].x & 0xffff) * h2f(sv[j].x & 0xffff),
+                          ld2f<IN_BF16>(xv[j].x >> 16) * h2f(sv[j].x >> 16),
+                          ld2f<IN_BF16>(xv[j].y & 0xffff) * h2f(sv[j].y & 0xffff),
+                          ld2f<IN_BF16>(xv[j].y >> 16) * h2f(sv[j].y >> 16)};
+            had128_warp(v, lane);
+            uint2 o;
+            o.x = f2h(v[0]) | ((u32)f2h(v[1]) << 16);
+            o.y = f2h(v[2]) | ((u32)f2h(v[3]) << 16);
+            *(uint2*)(sx + r * ld + col) = o;
+        }
+    }
+    // After load(warp): every chunk into sx, then the padding rows' zeros.
+    EXL3_INLINE void finish(u16* sx, const int ld)
+    {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        store(warp, lane, sx, ld);
+        for (int c0 = warp + 4 * NWARPS; c0 < rows * nst; c0 += 4 * NWARPS)
+        {
+            load(c0, lane);
+            store(c0, lane, sx, ld);
+        }
+        for (int i = rows * (ld >> 3) + threadIdx.x; i < BM * (ld >> 3); i += 32 * NWARPS)
+            ((uint4*)sx)[i] = make_uint4(0, 0, 0, 0);
+    }
+};
+
 // One (column block, k range) segment: pipelined decode + mma, fixed-order k-warp reduction, then the epilogue
 // directly (ncontrib == 1), through split slots (mode 1) or through atomics with the last arriving block finishing.
 // MODE: 0 = fp16, x as the MMA's A operand; 1 = int8 x as A (i8); 2 = int8 with the weights as A (i4); 3 = fp16 with
 // the weights as A (h8, h16: each 8 rows of x are one MMA's n).
-template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE>
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE, bool FX = false>
 __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trellis, const u16* svh, char* smem,
                                              const int cb, const int split, const int mb, const int step0,
                                              const int nstages, const int ncontrib)
@@ -327,6 +386,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     static_assert(KS % KW == 0, "each k-warp takes whole steps of a stage");
     static_assert(!I8 || (BM == 8 && CB == 2), "the int8 path is mul1 with 8 rows");
     static_assert(MODE != 3 || (BM == 8 || BM == 16), "h8 / h16: 8 rows of x per MMA n");
+    static_assert(!FX || MODE == 3, "only h8 / h16 transform their own x");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
@@ -342,16 +402,18 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
 
     u32* sB = (u32*)smem;
     u16* sA = (u16*)(smem + STAGES * B_STAGE * 4);
+    const int xld = p.steps_per_split * 16 + 8;  // FX: the block's whole k range of x stays in shared memory
 
     TrellisCopy<KS, 8, THREADS> tcopy;
     tcopy.init(b_row, tid);
     XCopy<I8 ? 16 : BM, KS, THREADS, PaddedRows<A_LD>> xcopy;  // (the int8 path copies its own layout below)
-    if constexpr (!I8) xcopy.init(p.k, rows, tid);
+    if constexpr (!I8 && !FX) xcopy.init(p.k, rows, tid);
     auto load_w = [&](int s, int buf) { tcopy.issue(smem_addr(sB + buf * B_STAGE), B + (size_t)s * KS * b_row); };
     auto load_x = [&](int s, int buf) {
         const int kcol = (step0 + s * KS) * 16;
         const u32 adst = smem_addr(sA + buf * A_STAGE);
-        if constexpr (I8)
+        if constexpr (FX) return;
+        else if constexpr (I8)
         {
             const char* xq = (const char*)p.xh + ((size_t)(shard * p.mblocks + mb) * (p.k >> 4) + step0 + s * KS) * 256;
             for (int c = tid; c < KS * 16; c += THREADS) cp_async16(adst + c * 16, xq + c * 16, 16);
@@ -376,7 +438,17 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     LaneMap<KA, HALF> lm;
     lm.init(lane);
 
+    XTransform<BM, NWARPS, OUT_BF16> xt;
+    if constexpr (FX)
+    {
+        // No transform kernel runs before this one: wait for x's producer, then x's first words go out ahead of the
+        // weights so they are back by the time the prologue's weights are issued.
+        pdl_wait();
+        xt = {p.xraw + (size_t)row0 * p.k, p.suh + (size_t)shard * p.k, p.k, rows, nstages, step0 * 16};
+        xt.load(warp, lane);
+    }
     ring_prologue<STAGES>(load_w, load_x, nstages);
+    if constexpr (FX) xt.finish(sA, xld);
     for (int s = 0; s < nstages; ++s)
     {
         const int buf = ring_next<STAGES, false>(load_stage, s, nstages);
@@ -414,7 +486,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 #pragma unroll
                 for (int nb = 0; nb < MT; ++nb)
                 {
-                    const u16* xr = bA + (nb * 8 + (lane >> 2)) * A_LD + i * 16 + 2 * (lane & 3);
+                    const u16* xr = FX ? sA + (nb * 8 + (lane >> 2)) * xld + s * KS * 16 + i * 16 + 2 * (lane & 3)
+                                       : bA + (nb * 8 + (lane >> 2)) * A_LD + i * 16 + 2 * (lane & 3);
                     xa[nb] = *(const u32*)xr;
                     xb[nb] = *(const u32*)(xr + 8);
                     // 3inst / mcg: a weight is two fp16 halves summed, so the raw word is an A pair against x repeated
@@ -756,7 +829,8 @@ EXL3_INLINE void for_each_segment(const GemmArgs& p, const int cols, const F& f)
 
 // Fixed split-k (grid = column blocks x splits x row blocks) or, as separate kernels, stream-k (grid.x = p.stream
 // blocks, block b owning units [b*U/G, (b+1)*U/G) of U = column blocks x stages).
-template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE = 0, bool STREAM = false, bool WG = false>
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE = 0, bool STREAM = false, bool WG = false,
+          bool FX = false>
 __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
 {
     const int mb = blockIdx.z;
@@ -778,7 +852,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         }
 #endif
         if constexpr (!WG)
-            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, MODE>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
+            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, MODE, FX>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
                                                                  ncontrib);
     };
     for_each_segment<KS, STREAM>(p, WG ? 64 * NT : 128, [&](int cb, int split, int step0, int nstages, int ncontrib) {
@@ -1112,6 +1186,14 @@ constexpr int MINB_STREAM = KA <= 6 ? 2 : 1;
 // for mul1, two for 3inst / mcg whose weight halves the MMA adds: no fp16 packing in the decode).
 EXL3_FEW_TIER(h8, 8, 3)
 EXL3_FEW_TIER(h16, 16, 3)
+// Their "fx" twins (fixed split-k): each block transforms its own rows of raw x (no input-transform launch).
+#define EXL3_FX_TIER(NAME, BM) \
+    extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##fx_f16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, false, 3, false, false, true>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##fx_bf16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, true, 3, false, false, true>(p, smem); }
+EXL3_FX_TIER(h8, 8)
+EXL3_FX_TIER(h16, 16)
 
 #if EXL3_CB == 2
 
