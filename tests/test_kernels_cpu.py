@@ -77,9 +77,9 @@ def test_plan_shapes():
 
 
 def test_fused_input_choice(monkeypatch):
-    """h8 / h16 with fixed split-k transform their own x when the repeated transform work per resident-block slot is
-    small, the grid is at most two waves and two blocks still fit an SM; never stream-k or the int8 tiers;
-    EXL3_VLLM_FUSED_INPUT=0: never."""
+    """h8 / h16 with fixed split-k transform their own x when a block's pieces of x fit one batch of early loads (4 per
+    warp), the repeated work per resident-block slot is small, the grid is at most two waves and two blocks still fit
+    an SM; never stream-k or the int8 tiers; EXL3_VLLM_FUSED_INPUT=0: never, =all: wherever x fits."""
     h8, h16 = TIERS["h8"], TIERS["h16"]
     lim = 227 * 1024
 
@@ -88,11 +88,14 @@ def test_fused_input_choice(monkeypatch):
     assert fx("h8", 1, 4096, 4096, "h8:s8")            # 256 blocks x 4 pieces: 3.9 per slot
     assert fx("h8", 1, 4096, 4096, "h8:s16")           # 512 blocks: two waves
     assert not fx("h8", 1, 4096, 4096, "h8:s32")       # four waves
-    assert fx("h8", 4, 4096, 4096, "h8:s8")            # 15.5 pieces per slot
-    assert not fx("h8", 8, 4096, 4096, "h8:s8")        # 31
-    assert fx("h8", 1, 14336, 4096, "h8:s4")           # 128 blocks x 28 stages: 13.6
+    assert fx("h8", 8, 4096, 4096, "h8:s8")            # 32 pieces per block, 31 per slot
+    assert not fx("h8", 8, 4096, 4096, "h8:s4")        # 64 pieces per block: two batches of loads
+    assert not fx("h16", 16, 4096, 4096, "h16:s8")
+    assert fx("h16", 9, 4096, 1024, "h16:s16")         # 18 pieces per block, 8.7 per slot
+    assert fx("h8", 1, 14336, 4096, "h8:s4")           # 28 stages, 13.6 per slot
+    assert not fx("h8", 4, 14336, 4096, "h8:s16")      # 54 per slot
     assert fx("h8", 1, 4096, 14336, "h8:s1")           # 112 blocks x 32 stages
-    assert not fx("h8", 1, 8192, 28672, "h8:s4")       # 54 pieces per slot
+    assert not fx("h8", 1, 8192, 28672, "h8:s4")       # four waves
     assert not fx("h8", 1, 8192, 4096, "h8:s1")        # 64 stages of x: one block per SM
     assert not fx("h8", 1, 4096, 4096, "h8:s8", 64 * 1024)
     assert not fx("i4", 1, 4096, 4096, "i4:s8")
@@ -100,6 +103,9 @@ def test_fused_input_choice(monkeypatch):
     assert streamed.stream and not kop.fused_input(h8, streamed, 8, 28672, 4, 132, lim)
     monkeypatch.setenv("EXL3_VLLM_FUSED_INPUT", "0")
     assert not fx("h8", 1, 4096, 4096, "h8:s8")
+    monkeypatch.setenv("EXL3_VLLM_FUSED_INPUT", "all")
+    assert fx("h16", 16, 4096, 4096, "h16:s8") and fx("h8", 1, 4096, 4096, "h8:s32")
+    assert not fx("h8", 1, 8192, 4096, "h8:s1") and not kop.fused_input(h8, streamed, 8, 28672, 4, 132, lim)
     assert h8.smem_fx(4, 32) == 4 * 8 * 8 * 32 * 4 + 8 * (32 * 16 + 8) * 2
     assert h16.smem_fx(4, 8) == 4 * 8 * 8 * 32 * 4 + 16 * (8 * 16 + 8) * 2
 

@@ -51,20 +51,26 @@ def pdl_enabled(arch: int) -> bool:
 
 
 # Default for EXL3_VLLM_FUSED_INPUT: the most (row, 128-k chunk) pieces of x transformed per resident-block slot when
-# every h8 / h16 block transforms its own rows (bench/results/2026-12-04-fused-input-h200.md).
-DEFAULT_FUSED_PIECES = 16
+# every h8 / h16 block transforms its own rows (bench/results/2026-12-04b-fused-input-h200.md).
+DEFAULT_FUSED_PIECES = 32
 
 
 def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, smem_limit: int) -> bool:
     """h8 / h16 with fixed split-k transform their own rows of x in the prologue instead of after an input-transform
-    launch. Every column block repeats that work and a block's prologue waits on it, so only where the repeated work
-    per resident-block slot is small, the grid is at most two waves and two blocks still fit an SM."""
-    limit = float(os.environ.get("EXL3_VLLM_FUSED_INPUT", DEFAULT_FUSED_PIECES))
+    launch. Every column block repeats that work and a block's loop waits for it, so only where a block's pieces go
+    out in one batch of loads ahead of its weights (4 per warp), the repeated work per resident-block slot is small,
+    the grid is at most two waves and two blocks still fit an SM. EXL3_VLLM_FUSED_INPUT: that per-slot bound; 0:
+    never; "all": wherever x fits (to compare)."""
+    env = os.environ.get("EXL3_VLLM_FUSED_INPUT", str(DEFAULT_FUSED_PIECES))
+    if not (tier.xb and not tier.int8 and not p.stream and env != "0"
+            and tier.smem_fx(bits, p.steps_per_split) <= smem_limit // 2 - 1024):
+        return False
+    if env == "all":
+        return True
     slots = 2 * sms
     blocks = (n_total // tier.cols) * p.splits * -(-m // tier.bm)
     pieces = min(m, tier.bm) * (p.steps_per_split // tier.ks)
-    return (tier.xb and not tier.int8 and not p.stream and blocks * pieces <= limit * slots and blocks <= 2 * slots
-            and tier.smem_fx(bits, p.steps_per_split) <= smem_limit // 2 - 1024)
+    return pieces <= 4 * (tier.threads // 32) and blocks * pieces <= float(env) * slots and blocks <= 2 * slots
 
 
 def _large_m() -> int:
