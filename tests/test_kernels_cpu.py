@@ -103,6 +103,9 @@ def test_fused_input_choice(monkeypatch):
     assert streamed.stream and not kop.fused_input(h8, streamed, 8, 28672, 4, 132, lim)
     monkeypatch.setenv("EXL3_VLLM_FUSED_INPUT", "0")
     assert not fx("h8", 1, 4096, 4096, "h8:s8")
+    monkeypatch.setenv("EXL3_VLLM_FUSED_INPUT", "lots")
+    with pytest.raises(kop.KernelError, match="EXL3_VLLM_FUSED_INPUT='lots'"):
+        fx("h8", 1, 4096, 4096, "h8:s8")
     monkeypatch.setenv("EXL3_VLLM_FUSED_INPUT", "all")
     assert fx("h16", 16, 4096, 4096, "h16:s8") and fx("h8", 1, 4096, 4096, "h8:s32")
     assert not fx("h8", 1, 8192, 4096, "h8:s1") and not kop.fused_input(h8, streamed, 8, 28672, 4, 132, lim)

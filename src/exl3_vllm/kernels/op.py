@@ -67,10 +67,14 @@ def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, sm
         return False
     if env == "all":
         return True
+    try:
+        bound = float(env)
+    except ValueError:
+        raise KernelError(f"EXL3_VLLM_FUSED_INPUT={env!r} is not a number of pieces per slot, 0 or 'all'") from None
     slots = 2 * sms
     blocks = (n_total // tier.cols) * p.splits * -(-m // tier.bm)
     pieces = min(m, tier.bm) * (p.steps_per_split // tier.ks)
-    return pieces <= 4 * (tier.threads // 32) and blocks * pieces <= float(env) * slots and blocks <= 2 * slots
+    return pieces <= 4 * (tier.threads // 32) and blocks * pieces <= bound * slots and blocks <= 2 * slots
 
 
 def _large_m() -> int:
