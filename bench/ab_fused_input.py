@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402
+from bench_small_m_parts import layer_copies  # noqa: E402
 
 NAMES = {0: "3inst", 1: "mcg", 2: "mul1"}
 
@@ -57,11 +58,7 @@ def main() -> int:
     for spec in args.layers.split(","):
         k, n = map(int, spec.split("x"))
         for cb in map(int, args.codebooks.split(",")):
-            copies = max(2, min(10, (2 << 30) // (k * n // 2)))
-            ts = [torch.randint(-32768, 32768, (k // 16, n // 16, 64), dtype=torch.int16, device=dev)
-                  for _ in range(copies)]
-            suh = (torch.randn(k, device=dev) * 0.05).half()
-            svh = (torch.randn(n, device=dev) * 0.05).half()
+            ts, suh, svh = layer_copies(k, n, 4, dev)
             kop.prepare(k, n, 4, cb, max(ms), dev)
             dec = graph_time_us([lambda t=t: kop.decode_floor(t, cb) for t in ts], args.reps)
             for m in ms:
@@ -82,8 +79,8 @@ def main() -> int:
                                      for t in ts]
                     fused = with_env("all", lambda: graph_time_us(calls(), args.reps))
                     sep = with_env("0", lambda: graph_time_us(calls(), args.reps))
-                    blocks = (n // tier.cols) * pp.splits * -(-m // tier.bm)
-                    per_slot = blocks * min(m, tier.bm) * (pp.steps_per_split // tier.ks) / (2 * d.sms)
+                    blocks, pieces = kop.fused_input_work(tier, pp, m, n)
+                    per_slot = blocks * pieces / (2 * d.sms)
                     print(f"| {spec} | {NAMES[cb]} | {m} | {label} | {blocks}; {per_slot:.1f} | {fused:.2f} | "
                           f"{sep:.2f} | {sep - fused:+.2f} | {dec:.2f} |", flush=True)
             del ts

@@ -41,6 +41,15 @@ def _launches(f, keep=lambda i: True) -> int:
     return count[0]
 
 
+def layer_copies(k: int, n: int, bits: int, dev) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """Random trellis copies of one k x n layer (2..10, about 2 GB, so a graph of calls never finds them in the L2),
+    suh and svh."""
+    copies = max(2, min(10, (2 << 30) // (k * n * bits // 8)))
+    ts = [torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), dtype=torch.int16, device=dev)
+          for _ in range(copies)]
+    return ts, (torch.randn(k, device=dev) * 0.05).half(), (torch.randn(n, device=dev) * 0.05).half()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="4096x4096,4096x14336")
@@ -59,11 +68,7 @@ def main() -> int:
     for spec in args.layers.split(","):
         k, n = map(int, spec.split("x"))
         for cb in map(int, args.codebooks.split(",")):
-            copies = max(2, min(10, (2 << 30) // (k * n * args.bits // 8)))
-            ts = [torch.randint(-32768, 32768, (k // 16, n // 16, 16 * args.bits), dtype=torch.int16, device=dev)
-                  for _ in range(copies)]
-            suh = (torch.randn(k, device=dev) * 0.05).half()
-            svh = (torch.randn(n, device=dev) * 0.05).half()
+            ts, suh, svh = layer_copies(k, n, args.bits, dev)
             kop.prepare(k, n, args.bits, cb, max(map(int, args.ms.split(","))), dev)
             dec = graph_time_us([lambda t=t: kop.decode_floor(t, cb) for t in ts], args.reps)
             for m in map(int, args.ms.split(",")):

@@ -72,9 +72,13 @@ def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, sm
     except ValueError:
         raise KernelError(f"EXL3_VLLM_FUSED_INPUT={env!r} is not a number of pieces per slot, 0 or 'all'") from None
     slots = 2 * sms
-    blocks = (n_total // tier.cols) * p.splits * -(-m // tier.bm)
-    pieces = min(m, tier.bm) * (p.steps_per_split // tier.ks)
+    blocks, pieces = fused_input_work(tier, p, m, n_total)
     return pieces <= 4 * (tier.threads // 32) and blocks * pieces <= bound * slots and blocks <= 2 * slots
+
+
+def fused_input_work(tier, p: "Plan", m: int, n_total: int) -> tuple[int, int]:
+    """(blocks of the grid, (row, 128-k chunk) pieces of x each block transforms) when a plan runs an fx twin."""
+    return (n_total // tier.cols) * p.splits * -(-m // tier.bm), min(m, tier.bm) * (p.steps_per_split // tier.ks)
 
 
 def _large_m() -> int:
