@@ -1248,9 +1248,10 @@ EXL3_WS_TIER(x256, 256, 2, 4, 3, 80)
 
 // Large-M path: the dense weight (both Hadamards, suh and svh folded in) of columns col0..col0+cols in the output
 // dtype as wt[c][k], k contiguous, so cuBLAS multiplies x by it directly and no pass over x or y is left. A block owns
-// a 128 k x 128 column unit; warp w decodes the eight 16x16 tiles of its 16-column strip and applies each tile's
-// 16-point Hadamards on both sides as two pairs of mmas with the +-1 matrix. The 8-point Hadamards across tiles (k)
-// and across strips (columns) run from shared memory.
+// a 128 k x 128 column unit; warp w decodes the eight 16x16 tiles of its 16-column strip. Per tile, an mma with the
+// +-1 matrix H16 applies the 16-point Hadamard over k; the 8-point one across the warp's tiles (k) runs on the packed
+// fp16 results in registers; a second mma applies H16 over the columns; the 8-point Hadamard across strips (columns)
+// runs from shared memory.
 constexpr int RECON_LD = 132;  // padded fp32 row (variants.RECON_SMEM): conflict-free stores, 16-byte aligned float4s
 
 EXL3_INLINE u32 pack_f16x2(float lo, float hi) { u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }
@@ -1281,6 +1282,16 @@ EXL3_INLINE void ld8x4(const float* p, int stride, float (&v)[8][4])
     }
 }
 
+EXL3_INLINE u32 hsub2(u32 a, u32 b) { u32 r; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+// Two floats in the output dtype, packed (lo in the low half) by one conversion.
+template <bool BF16> EXL3_INLINE u32 pack2(float lo, float hi)
+{
+    u32 r;
+    if constexpr (BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 template <bool OUT_BF16>
 __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, const u16* __restrict__ suh,
                                            const u16* __restrict__ svh, u16* __restrict__ wt, int n_total, int col0,
@@ -1290,65 +1301,68 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     LaneMap<KA, HALF> lm;
     lm.init(lane);
-    // H16 as the A operand (rows: k out, columns: k in); H16 is symmetric, so {ha[0], ha[2]} and {ha[1], ha[3]} are
-    // its B fragments for columns 0-7 and 8-15.
     const u32 ha[4] = {had16_pair(g, 2 * t, 2 * t + 1), had16_pair(g + 8, 2 * t, 2 * t + 1),
                        had16_pair(g, 2 * t + 8, 2 * t + 9), had16_pair(g + 8, 2 * t + 8, 2 * t + 9)};
     const int kb = k >> 7, units = (cols >> 7) * kb;
-    const size_t tile_row = (size_t)(n_total >> 4) * TL::W32;  // words between k16 rows of tiles
+    const int tile_row = (n_total >> 4) * TL::W32;  // words between k16 rows of tiles
+    float* xl = xs + (warp * 16 + 2 * t) * RECON_LD + g;  // this lane's first fragment position in its strip
     for (int u = blockIdx.x; u < units; u += gridDim.x)
     {
         const int cu = u / kb, ku = u - cu * kb;
-        const u32* tw = trellis + (size_t)ku * 8 * tile_row + (size_t)((col0 >> 4) + cu * 8 + warp) * TL::W32;
-        __syncthreads();  // the previous unit's reads of xs are done
-        float* xw = xs + warp * 16 * RECON_LD;
-        // Integer codes up to 4 bits load all eight tiles' words before the first decode (in flight together, within
-        // the 80-register budget; half-bit codes spilled with it); the others load one tile ahead of its decode.
-        constexpr int PRE = (!HALF && KA <= 4) ? 8 : 1;
-        u32 w8[PRE][TL::NW];
-        if constexpr (PRE == 8)
-        {
+        const u32* tw = trellis + (size_t)ku * 8 * (size_t)tile_row + (size_t)((col0 >> 4) + cu * 8 + warp) * TL::W32;
+        // Tile j + AHEAD's words load while tile j decodes.
+        constexpr int AHEAD = 4;
+        u32 wr[8][TL::NW];
+        #pragma unroll
+        for (int j = 0; j < AHEAD; ++j)
             #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                #pragma unroll
-                for (int q = 0; q < TL::NW; ++q) w8[j][q] = __ldg(tw + j * tile_row + lm.idx[q]);
-        }
-        #pragma unroll (PRE == 8 ? 8 : 2)
+            for (int q = 0; q < TL::NW; ++q) wr[j][q] = __ldg(tw + j * tile_row + lm.idx[q]);
+        // a8[j] = fp16(H16 . tile j) in the A-fragment layout (rows: k in the tile, columns: the strip's 16 columns).
+        u32 a8[8][4];
+        #pragma unroll
         for (int j = 0; j < 8; ++j)
         {
-            u32 w[TL::NW];
-            #pragma unroll
-            for (int q = 0; q < TL::NW; ++q) w[q] = PRE == 8 ? w8[j & (PRE - 1)][q] : __ldg(tw + j * tile_row + lm.idx[q]);
+            if (j + AHEAD < 8)
+                #pragma unroll
+                for (int q = 0; q < TL::NW; ++q) wr[j + AHEAD][q] = __ldg(tw + (j + AHEAD) * tile_row + lm.idx[q]);
             u32 st[8], b[4];
-            lane_states<KA, HALF>(w, lm.off, st);
+            lane_states<KA, HALF>(wr[j], lm.off, st);
             states_to_frag<CB>(st, b);
             float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
             mma_16816(d[0], ha, b[0], b[1]);  // H16 . tile (exact: 16 fp16 terms in fp32)
             mma_16816(d[1], ha, b[2], b[3]);
-            // The accumulator layout is the A fragment's: (H16 . tile) . H16 with one fp16 rounding in between.
-            const u32 a[4] = {pack_f16x2(d[0][0], d[0][1]), pack_f16x2(d[0][2], d[0][3]),
-                              pack_f16x2(d[1][0], d[1][1]), pack_f16x2(d[1][2], d[1][3])};
+            a8[j][0] = pack_f16x2(d[0][0], d[0][1]); a8[j][1] = pack_f16x2(d[0][2], d[0][3]);
+            a8[j][2] = pack_f16x2(d[1][0], d[1][1]); a8[j][3] = pack_f16x2(d[1][2], d[1][3]);
+        }
+        // The 8-point Hadamard over the tiles (k bits 4-6) on the packed fragments: a lane holds the same positions of
+        // all eight tiles, and it commutes with the column-side H16 below. Packed adds halve the work of fp32; values
+        // stay within 128 times the codebook's largest, far inside fp16's range.
+        #pragma unroll
+        for (int S = 1; S < 8; S <<= 1)
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (!(j & S))
+            {
+                #pragma unroll
+                for (int q = 0; q < 4; ++q)
+                {
+                    const u32 x0 = a8[j][q], x1 = a8[j | S][q];
+                    a8[j][q] = hadd2(x0, x1);
+                    a8[j | S][q] = hsub2(x0, x1);
+                }
+            }
+        __syncthreads();  // the previous unit's reads of xs are done
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+        {
             float e[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-            mma_16816(e[0], a, ha[0], ha[2]);
-            mma_16816(e[1], a, ha[1], ha[3]);
-            // e[h][i]: k 16j + g + 8 (i >> 1), strip column 8h + 2t + (i & 1)
+            mma_16816(e[0], a8[j], ha[0], ha[2]);  // . H16 over the strip's columns
+            mma_16816(e[1], a8[j], ha[1], ha[3]);
+            // e[h][i]: k 16j + g + 8 (i >> 1), strip column 8h + 2t + (i & 1); constant offsets from one lane pointer
             #pragma unroll
             for (int h = 0; h < 2; ++h)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) xw[(8 * h + 2 * t + (i & 1)) * RECON_LD + 16 * j + g + 8 * (i >> 1)] = e[h][i];
-        }
-        __syncthreads();
-        // The 8-point Hadamard over the tiles (k bits 4-6), in place: 512 items (strip, column, 4 k of a tile).
-        #pragma unroll
-        for (int r = 0; r < 2; ++r)
-        {
-            const int it = threadIdx.x + 256 * r;
-            float* p = xs + ((it >> 6) * 16 + (it & 15)) * RECON_LD + ((it >> 4) & 3) * 4;
-            float v[8][4];
-            ld8x4(p, 16, v);
-            had8x4(v);
-            #pragma unroll
-            for (int s = 0; s < 8; ++s) *(float4*)(p + 16 * s) = make_float4(v[s][0], v[s][1], v[s][2], v[s][3]);
+            for (int i = 0; i < 4; ++i) xl[(8 * h + (i & 1)) * RECON_LD + 16 * j + 8 * (i >> 1)] = e[h][i];
         }
         __syncthreads();
         // The 8-point Hadamard over the strips (column bits 4-6), scales, output: 512 items (column of every strip,
@@ -1364,25 +1378,25 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
             h2f4(suh + ku * 128 + kq, fk);
             #pragma unroll
             for (int i = 0; i < 4; ++i) fk[i] *= 0.0078125f;  // both Hadamards' 1/sqrt(128)
+            // Column cu * 128 + 16 s + c: svh at constant offsets, wt rows 16 k apart (one pointer, one stride).
+            const u16* sv = svh + col0 + cu * 128 + c;
+            u16* wp = wt + (size_t)(cu * 128 + c) * k + ku * 128 + kq;
+            const size_t wstep = (size_t)16 * k;
             #pragma unroll
-            for (int s = 0; s < 8; ++s)
+            for (int s = 0; s < 8; ++s, wp += wstep)
             {
-                const int n = cu * 128 + s * 16 + c;
-                const float fn = h2f(__ldg(svh + col0 + n));
-                uint2 o;
-                o.x = f2st<OUT_BF16>(v[s][0] * fk[0] * fn) | ((u32)f2st<OUT_BF16>(v[s][1] * fk[1] * fn) << 16);
-                o.y = f2st<OUT_BF16>(v[s][2] * fk[2] * fn) | ((u32)f2st<OUT_BF16>(v[s][3] * fk[3] * fn) << 16);
-                *(uint2*)(wt + (size_t)n * k + ku * 128 + kq) = o;
+                const float fn = h2f(__ldg(sv + 16 * s));
+                const uint2 o = make_uint2(pack2<OUT_BF16>(v[s][0] * fk[0] * fn, v[s][1] * fk[1] * fn),
+                                           pack2<OUT_BF16>(v[s][2] * fk[2] * fn, v[s][3] * fk[3] * fn));
+                *(uint2*)wp = o;
             }
         }
     }
 }
 
-// As many blocks per SM as their shared memory allows (H100/H200 3, A100 2, the ~100 KB parts 1) to hide the trellis
-// loads; on Hopper K=8's wider windows take two blocks' register budget.
-#if __CUDA_ARCH__ == 900
-constexpr int RECON_MINB = KA >= 8 ? 2 : 3;
-#elif __CUDA_ARCH__ == 800
+// Two blocks per SM where registers allow (the eight tiles' packed fragments stay live through the tile Hadamard);
+// the ~100 KB shared-memory parts hold one block anyway.
+#if __CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 800
 constexpr int RECON_MINB = 2;
 #else
 constexpr int RECON_MINB = 1;
