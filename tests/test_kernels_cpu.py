@@ -405,3 +405,14 @@ def test_moe_op_fake_and_cpu_error():
     with pytest.raises(kop.KernelError, match="CUDA"):
         kmoe.moe_cuda(torch.randn(3, 200).bfloat16(), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int64),
                        *weights())
+
+
+def test_trellis_alignment_error():
+    """A trellis view that does not start on a 16-byte boundary (the kernels copy its words in 16-byte chunks) is
+    refused before any launch, with the fix in the message."""
+    trellis, suh, svh = _layer(256, 256, 4)
+    odd = torch.empty(trellis.numel() + 1, dtype=torch.int16)[1:].view_as(trellis).copy_(trellis)
+    x = torch.randn(2, 256).half()
+    kop._check_cuda_args(x, trellis, suh[0], svh, None, [256], 2)
+    with pytest.raises(kop.KernelError, match=r"2 bytes past a 16-byte boundary.*trellis.clone\(\)"):
+        kop._check_cuda_args(x, odd, suh[0], svh, None, [256], 2)

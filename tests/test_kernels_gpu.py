@@ -428,6 +428,37 @@ def test_x_view_at_odd_offset():
             assert _rel(out, ref) <= TOL + _rel(ref.to(dt), ref), (bits, cb, m, dt)
 
 
+def _odd_view(t):
+    """The same values as t in a contiguous view that starts 2 bytes into its storage."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view_as(t).copy_(t)
+
+
+@pytest.mark.parametrize("tier", ["h8", "m64", "x64", "dequant"])
+def test_scales_and_bias_at_odd_offset(tier, monkeypatch):
+    """suh, svh and bias as views 2 bytes into their storage (the kernels read them in 8-byte words): the op copies
+    them to aligned buffers, so the output is bit-identical to aligned inputs' (deterministic mode); a trellis view
+    off a 16-byte boundary is a clear error instead of a misaligned-address fault."""
+    if tier == "x64" and torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the wg tiers are sm_90a only")
+    monkeypatch.setenv("EXL3_VLLM_TIER", tier)
+    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
+    gen = torch.Generator(device=DEV).manual_seed(37)
+    k, sizes = 1024, [256, 128]
+    n = sum(sizes)
+    trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
+    for dt in DTYPES:
+        x = torch.randn(40, k, device=DEV, generator=gen).to(dt)
+        b = bias.to(dt)
+        want = kop.linear_cuda(x, trellis, suh, svh, b, sizes, 2)
+        o_suh, o_svh, o_b = _odd_view(suh), _odd_view(svh), _odd_view(b)
+        assert o_suh.data_ptr() % 4 == 2 and o_svh.data_ptr() % 4 == 2 and o_b.data_ptr() % 4 == 2
+        got = kop.linear_cuda(x, trellis, o_suh, o_svh, o_b, sizes, 2)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), (tier, dt)
+    with pytest.raises(kop.KernelError, match="16-byte boundary"):
+        kop.linear_cuda(x, _odd_view(trellis), suh, svh, b, sizes, 2)
+
+
 @pytest.mark.parametrize("tier", ["h8", "h16"])
 def test_fused_input_equals_transform_kernel(tier, monkeypatch):
     """h8 / h16 transforming their own rows of x (the "fx" twins) against the same plan after the input-transform

@@ -262,3 +262,12 @@ def test_moe_bad_input():
         kmoe.moe_cuda(torch.randn(4, K, device=DEV), w, ids, *w13, *w2)
     with pytest.raises(KernelError):
         kmoe.moe_cuda(torch.randn(4, K, device=DEV).half(), w, ids[:, :TOPK // 2].contiguous(), *w13, *w2)
+    # Views 2 bytes into their storage: a clear error instead of a misaligned-address fault.
+    t0 = w13.trellis[0]
+    odd = torch.empty(t0.numel() + 1, dtype=torch.int16, device=DEV)[1:].view_as(t0).copy_(t0)
+    with pytest.raises(KernelError, match="16-byte boundary"):
+        kmoe.moe_cuda(torch.randn(4, K, device=DEV).half(), w, ids, *w13._replace(trellis=[odd, *w13.trellis[1:]]), *w2)
+    sv = w2.svh
+    odd_sv = torch.empty(sv.numel() + 1, dtype=sv.dtype, device=DEV)[1:].view_as(sv).copy_(sv)
+    with pytest.raises(KernelError, match="w2_svh starts 2 bytes"):
+        kmoe.moe_cuda(torch.randn(4, K, device=DEV).half(), w, ids, *w13, *w2._replace(svh=odd_sv))

@@ -90,6 +90,9 @@ def _check(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13
             if t.dtype != torch.int16 or t.dim() != 4 or not t.is_contiguous() or t.device != x.device:
                 raise KernelError(f"exl3 moe: {name} trellis groups must be contiguous int16 [E_g, k/16, n/16, 16K] "
                                   f"on {x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+            if t.data_ptr() % 16:
+                raise KernelError(f"exl3 moe: a {name} trellis group starts {t.data_ptr() % 16} bytes past a 16-byte "
+                                  "boundary (a view into a larger buffer?); pass a .clone() once at load")
         if where.dtype != torch.int32 or where.shape != (E, 2) or where.device != x.device:
             raise KernelError(f"exl3 moe: {name}_where must be int32 [{E}, 2] on {x.device} (group, index of each "
                               f"expert), got {where.dtype} {tuple(where.shape)} on {where.device}")
@@ -111,6 +114,9 @@ def _check(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13
         if t.dtype != torch.float16 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != x.device:
             raise KernelError(f"exl3 moe: {name} must be contiguous fp16 {list(shape)} on {x.device}, got "
                               f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if t.data_ptr() % 8:
+            raise KernelError(f"exl3 moe: {name} starts {t.data_ptr() % 8} bytes past an 8-byte boundary (a view into "
+                              "a larger buffer?); pass a .clone() once at load")
     bits = [bits_of(t) for t in w13_trellis] + [bits_of(t) for t in w2_trellis]
     for b, c in zip(bits, list(w13_codebooks) + list(w2_codebooks)):
         linear_defines(b, c)  # raises for K/codebook pairs that do not exist
@@ -229,7 +235,7 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     out = torch.empty(T, hidden, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    x = x if x.is_contiguous() and x.data_ptr() % 8 == 0 else x.contiguous()
+    x = x if x.is_contiguous() and x.data_ptr() % 8 == 0 else x.clone(memory_format=torch.contiguous_format)
     inter = n13 // 2
     valid = inter if inter_valid is None or inter_valid < 0 else min(inter_valid, inter)
     d = _dev(x.device.index)

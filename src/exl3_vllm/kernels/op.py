@@ -364,7 +364,16 @@ def _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook):
     for name, t in (("x", x), ("trellis", trellis), ("suh", suh), ("svh", svh), ("bias", bias)):
         if t is not None and t.device != trellis.device:
             raise KernelError(f"exl3 linear: {name} is on {t.device}, the trellis on {trellis.device}")
+    if trellis.data_ptr() % 16:
+        # The kernels copy trellis words in 16-byte chunks; a per-call copy of the layer would hide a slow path.
+        raise KernelError(f"exl3 linear: the trellis starts {trellis.data_ptr() % 16} bytes past a 16-byte boundary "
+                          f"(a view into a larger buffer?); pass trellis.clone() once at load")
     return k, n_total, sizes, bits
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t itself when contiguous on a 16-byte boundary, else an aligned copy (the kernels read it in 8-byte words)."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, force: str | None = None):
@@ -378,8 +387,8 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     y = out if out is not None else torch.empty(m, n_total, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n_total)
-    suh = suh.contiguous()
-    svh = svh.contiguous()
+    suh = _aligned(suh)
+    svh = _aligned(svh)
     d = _dev(x.device.index)
     S = len(sizes)
     p = plan_for(d, m, k, n_total, bits, codebook, sizes) if force is None else \
@@ -392,7 +401,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
         _dequant_path(d, lin, stream, x2, trellis, suh, svh, bias, sizes, y, k, n_total, p.chunk)
         return y.reshape(*lead, n_total)
     if bias is not None:
-        bias = bias.to(torch.float16).contiguous()
+        bias = _aligned(bias.to(torch.float16))
     tier = TIERS[p.tier]
     xmeta = None
     if tier.int8:
