@@ -76,6 +76,23 @@ def test_plan_shapes():
     assert kop.plan(4096, 4096, 4096, 4, 132).path == "dequant"
 
 
+def test_whole_stages_for_k():
+    """The 16-step-stage tiers run where k is a multiple of 256, their 8-step "k8" twins elsewhere, whether the plan
+    is static, forced or for the experts; split-k stays in whole stages."""
+    from exl3_vllm.kernels import moe as kmoe
+    for m, k, cb, want in ((1, 4096, 1, "h8"), (1, 640, 1, "h8k8"), (12, 1152, 1, "h16k8"), (1, 4096, 2, "i4"),
+                           (3, 1408, 2, "i4k8"), (8, 896, 2, "i8k8")):
+        p = kop.plan(m, k, 2048, 4, 132, codebook=cb, force="h16" if want.startswith("h16") else None)
+        assert p.tier == want, (m, k, p)
+        t = TIERS[p.tier]
+        assert p.steps_per_split % t.ks == 0 and (k // 16) % t.ks == 0
+        assert p.splits * p.steps_per_split >= k // 16
+    assert kop.plan(1, 640, 2048, 4, 132, force="h8:s2").tier == "h8k8"
+    assert kop.plan(1, 4096, 2048, 4, 132, force="h8k8:s2").tier == "h8k8"
+    assert kmoe.moe_plan(4, 8, 128, 2048, 1536, 768, 2048, [4], [2], 132).tier == "i8"
+    assert kmoe.moe_plan(4, 8, 64, 2048, 2816, 1408, 2048, [4], [2], 132).tier == "i8k8"
+
+
 def test_fused_input_choice(monkeypatch):
     """h8 / h16 with fixed split-k transform their own x when a block's pieces of x fit one batch of early loads (4 per
     warp), the repeated work per resident-block slot is small, the grid is at most two waves and two blocks still fit
@@ -87,7 +104,7 @@ def test_fused_input_choice(monkeypatch):
         return kop.fused_input(TIERS[tier], kop.plan(m, k, n, 4, 132, codebook=2, force=force), m, n, 4, 132, smem)
     assert fx("h8", 1, 4096, 4096, "h8:s8")            # 256 blocks x 4 pieces: 3.9 per slot
     assert fx("h8", 1, 4096, 4096, "h8:s16")           # 512 blocks: two waves
-    assert not fx("h8", 1, 4096, 4096, "h8:s32")       # four waves
+    assert not fx("h8k8", 1, 4096, 4096, "h8k8:s32")   # four waves (h8 itself stops at 16 splits of k=4096)
     assert fx("h8", 8, 4096, 4096, "h8:s8")            # 32 pieces per block, 31 per slot
     assert not fx("h8", 8, 4096, 4096, "h8:s4")        # 64 pieces per block: two batches of loads
     assert not fx("h16", 16, 4096, 4096, "h16:s8")
@@ -128,7 +145,7 @@ def test_plan_int8_tier(monkeypatch):
     assert kop.plan(9, 4096, 4096, 4, 132, codebook=2).tier == "m16"
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=1).tier == "h8"
     assert kop.plan(8, 4096, 4096, 4, 132, codebook=0).tier == "h8"
-    assert kop.plan(1, 65536 + 128, 4096, 4, 132, codebook=2, smem_limit=1 << 20).tier == "h8"
+    assert kop.plan(1, 65536 + 256, 4096, 4, 132, codebook=2, smem_limit=1 << 20).tier == "h8"
     monkeypatch.setenv("EXL3_VLLM_INT8", "0")
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "h8"
     monkeypatch.setenv("EXL3_VLLM_TIER", "i8")

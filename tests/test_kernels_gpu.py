@@ -103,7 +103,7 @@ WG_VARIANTS = [(4, 2), (4, 1), (3, 0), (2.5, 2), (8, 2), (1, 1)]
 
 
 @pytest.mark.parametrize("tier", ["w16", "w32", "w64", "w128", "w64n", "w128n", "x64", "x128", "x256",
-                                  "m16", "m32", "m64", "m128", "h8", "h16", "dequant"])
+                                  "m16", "m32", "m64", "m128", "h8", "h16", "h8k8", "h16k8", "dequant"])
 def test_tiers_forced(tier, monkeypatch):
     """Each tier (the Hopper wgmma ones on sm_90), forced, at partial/whole/multiple row blocks, fused shards, split-k,
     stream-k (tiers with a stream twin, on a layer whose column blocks leave a partial wave) and one split: the
@@ -428,6 +428,31 @@ def test_x_view_at_odd_offset():
             assert _rel(out, ref) <= TOL + _rel(ref.to(dt), ref), (bits, cb, m, dt)
 
 
+@pytest.mark.parametrize("tier", ["h8", "h16", "i4", "i8"])
+def test_odd_k_takes_k8_twin(tier, monkeypatch):
+    """k not a multiple of 256 (640, 1152, 4736): the 16-step-stage tiers hand over to their 8-step twins, fixed
+    split-k and stream-k, fused input or not, fused shards; every k16 step counts (a dropped half stage would miss the
+    reference by far more than the tolerance)."""
+    monkeypatch.setenv("EXL3_VLLM_TIER", tier)
+    gen = torch.Generator(device=DEV).manual_seed(41)
+    cb = 2 if tier.startswith("i") else 1
+    bm = kop.TIERS[tier].bm
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sizes = [256, 128]
+    n = sum(sizes)
+    worst = 0.0
+    for k in (640, 1152, 4736):
+        trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
+        w64 = _dense64(trellis, suh, svh, cb, sizes)
+        assert kop.plan(bm, k, n, 4, sms, max(sizes), codebook=cb, col_align=128, force=tier).tier == tier + "k8"
+        for m in sorted({1, 3, bm}):
+            for dt in DTYPES:
+                err, floor, nan = _run_vs_ref(m, dt, gen, trellis, suh, svh, bias, sizes, cb, w64)
+                worst = max(worst, err)
+                assert not nan and err <= TOL + floor, (tier, k, m, dt, err, floor)
+    _report(f"{tier} at odd k -> {tier}k8: max_rel_err={worst:.3e}")
+
+
 def _odd_view(t):
     """The same values as t in a contiguous view that starts 2 bytes into its storage."""
     return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view_as(t).copy_(t)
@@ -463,7 +488,7 @@ def test_scales_and_bias_at_odd_offset(tier, monkeypatch):
 def test_fused_input_equals_transform_kernel(tier, monkeypatch):
     """h8 / h16 transforming their own rows of x (the "fx" twins) against the same plan after the input-transform
     kernel: bit-identical in deterministic mode (same arithmetic) and exact against the reference, over blocks of 1,
-    8 and 16 stages, partial and full row blocks, fused shards with their own suh, both dtypes, x at an odd offset."""
+    4 and 8 stages, partial and full row blocks, fused shards with their own suh, both dtypes, x at an odd offset."""
     monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bm = kop.TIERS[tier].bm
@@ -474,7 +499,7 @@ def test_fused_input_equals_transform_kernel(tier, monkeypatch):
     for bits, cb in ((4, 2), (3, 1), (2, 0)):
         trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
         w64 = _dense64(trellis, suh, svh, cb, sizes)
-        for splits in (2, 4, 32):
+        for splits in (2, 4, 16):
             force = f"{tier}:s{splits}"
             for m in (1, 3, bm):
                 p = kop.plan(m, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=128, force=force)

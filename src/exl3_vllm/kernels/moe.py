@@ -14,7 +14,7 @@ import torch
 from . import nvrtc
 from .nvrtc import KernelError
 from .op import _DTYPES as _OP_DTYPES, _ZERO, _GemmArgs, _dev, bits_of, deterministic, int8_ok
-from .variants import IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, gemm_kernel_name, linear_defines
+from .variants import IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, for_k, gemm_kernel_name, linear_defines
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ def moe_plan(tokens: int, topk: int, n_experts: int, k13: int, n13: int, k2: int
         tier = next((t for t in fp16 if avg <= t.bm), fp16[-1])
     if tier.int8 and not all(c == 2 for c in codebooks):
         raise KernelError("EXL3_VLLM_TIER=i8 needs every expert on the mul1 codebook")
+    tier = for_k(tier, math.gcd(k13, k2))  # one tier for both projections: whole stages of either k
     bm = tier.bm
     est = active * max(1, math.ceil(avg / bm))
     slots = sms * (2 if tier.threads <= 256 else 1)
@@ -242,6 +243,9 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     cbs = list(w13_codebooks) + list(w2_codebooks)
     p = moe_plan(T, topk, E, k13, n13, k2, n2, bits, cbs, d.sms, d.smem_limit)
     tier = TIERS[p.tier]
+    if any((kk // 16) % tier.ks or st % tier.ks for kk, st in ((k13, p.steps13), (k2, p.steps2))):
+        raise KernelError(f"exl3 moe: tier {tier.name} runs {tier.ks} k16 steps per stage; k13={k13} / k2={k2} "
+                          f"are not whole stages (use its k8 twin)")
     pairs = T * topk
     stream = torch.cuda.current_stream(x.device).cuda_stream
     bf = x.dtype == torch.bfloat16

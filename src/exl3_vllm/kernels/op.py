@@ -13,7 +13,8 @@ import torch
 
 from . import nvrtc, tune
 from .nvrtc import KernelError
-from .variants import INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, RECON_SMEM, TIERS, WG_ARCH, gemm_kernel_name, linear_defines
+from .variants import (INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, RECON_SMEM, TIERS, WG_ARCH, for_k, gemm_kernel_name,
+                       linear_defines)
 
 # Above this many rows the static plan takes dequantize + cuBLAS (EXL3_VLLM_LARGE_M overrides); the measured
 # dispatch (tune.py) may still pick a fused tier there.
@@ -78,7 +79,7 @@ def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, sm
 
 def fused_input_work(tier, p: "Plan", m: int, n_total: int) -> tuple[int, int]:
     """(blocks of the grid, (row, 128-k chunk) pieces of x each block transforms) when a plan runs an fx twin."""
-    return (n_total // tier.cols) * p.splits * -(-m // tier.bm), min(m, tier.bm) * (p.steps_per_split // tier.ks)
+    return (n_total // tier.cols) * p.splits * -(-m // tier.bm), min(m, tier.bm) * (p.steps_per_split // 8)
 
 
 def _large_m() -> int:
@@ -180,6 +181,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         tier = wg_tier(m, bits, smem_limit, col_align)
     else:
         tier = mma_tier(m, bits, smem_limit)
+    tier = for_k(tier, k)
     mblocks = -(-m // tier.bm)
     ktiles = k // 16
     base = (n_total // tier.cols) * mblocks
@@ -403,6 +405,10 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     if bias is not None:
         bias = _aligned(bias.to(torch.float16))
     tier = TIERS[p.tier]
+    if (k // 16) % tier.ks or p.steps_per_split % tier.ks:
+        # The kernels run whole stages: a partial one would drop the last k16 steps without a sound.
+        raise KernelError(f"exl3 linear: tier {tier.name} runs {tier.ks} k16 steps per stage; k={k} with "
+                          f"{p.steps_per_split} steps per split is not whole stages (use its k8 twin)")
     xmeta = None
     if tier.int8:
         xh = d.buf("xq", S * (k // 16) * 256, torch.int8)

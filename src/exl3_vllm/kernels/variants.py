@@ -65,10 +65,15 @@ TIERS = {t.name: t for t in (
     Tier("m32", 32, 4, 4, 8, 4),
     Tier("m64", 64, 2, 4, 8, 3),
     Tier("m128", 128, 1, 2, 4, 3),
-    Tier("i8", 8, 4, 4, 8, 4, int8=True, stream=True),
-    Tier("i4", 4, 4, 4, 8, 4, int8=True, stream=True, xb=True),
-    Tier("h8", 8, 4, 4, 8, 4, stream=True, xb=True),
-    Tier("h16", 16, 4, 4, 8, 4, stream=True, xb=True),
+    Tier("i8", 8, 4, 4, 16, 2, int8=True, stream=True),
+    Tier("i4", 4, 4, 4, 16, 2, int8=True, stream=True, xb=True),
+    Tier("h8", 8, 4, 4, 16, 2, stream=True, xb=True),
+    Tier("h16", 16, 4, 4, 16, 2, stream=True, xb=True),
+    # 8-step-stage twins of the four above for k that is not a multiple of 256 (for_k)
+    Tier("i8k8", 8, 4, 4, 8, 4, int8=True, stream=True),
+    Tier("i4k8", 4, 4, 4, 8, 4, int8=True, stream=True, xb=True),
+    Tier("h8k8", 8, 4, 4, 8, 4, stream=True, xb=True),
+    Tier("h16k8", 16, 4, 4, 8, 4, stream=True, xb=True),
     Tier("w16", 16, 1, 1, 8, 4, wg=2),
     Tier("w32", 32, 1, 1, 8, 4, wg=2, stream=True),
     Tier("w64", 64, 1, 1, 8, 4, wg=4, stream=True),
@@ -80,6 +85,15 @@ TIERS = {t.name: t for t in (
     Tier("x128", 128, 1, 1, 4, 4, wg=2, ws=2, stream=True),
     Tier("x256", 256, 1, 1, 4, 3, wg=2, ws=2, stream=True),
 )}
+
+
+def for_k(tier: Tier, k: int) -> Tier:
+    """tier, or its "k8" twin where k / 16 is not a whole number of tier's stages (the kernels run whole stages)."""
+    if (k // 16) % tier.ks == 0:
+        return tier
+    return TIERS[tier.name + "k8"]
+
+
 # The only arch whose build has the wg tiers (wgmma is Hopper's; NVRTC targets sm_90a there).
 WG_ARCH = 90
 # Dynamic shared memory of the large-M weight reconstruction (exl3_recon_*): a 128 x 128 fp32 unit, padded rows.

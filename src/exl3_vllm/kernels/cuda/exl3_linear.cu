@@ -387,6 +387,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     static_assert(!I8 || (BM == 8 && CB == 2), "the int8 path is mul1 with 8 rows");
     static_assert(MODE != 3 || (BM == 8 || BM == 16), "h8 / h16: 8 rows of x per MMA n");
     static_assert(!FX || MODE == 3, "only h8 / h16 transform their own x");
+    static_assert(!FX || KS % 8 == 0, "x is transformed in 128-column chunks, whole ones per stage");
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
@@ -444,7 +445,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         // No transform kernel runs before this one: wait for x's producer, then x's first words go out ahead of the
         // weights so they are back by the time the prologue's weights are issued.
         pdl_wait();
-        xt = {p.xraw + (size_t)row0 * p.k, p.suh + (size_t)shard * p.k, p.k, rows, nstages, step0 * 16};
+        xt = {p.xraw + (size_t)row0 * p.k, p.suh + (size_t)shard * p.k, p.k, rows, nstages * (KS / 8), step0 * 16};
         xt.load(warp, lane);
     }
     ring_prologue<STAGES>(load_w, load_x, nstages);
@@ -1170,37 +1171,53 @@ EXL3_TIER(m64, 64, 2, 4, 8, 3)
 EXL3_TIER(m128, 128, 1, 2, 4, 3)
 
 // Stream-k twins keep two resident blocks (128 registers) where K allows, enough warps to hide the decode latency.
+// 16-step stages unroll twice the decode: that fits for integer K up to 5 on sm_90 / sm_120, not on sm_8x (the
+// compile sweep's spills).
 constexpr int MINB_STREAM = KA <= 6 ? 2 : 1;
+#if __CUDA_ARCH__ >= 900
+constexpr int MINB_STREAM16 = KA <= 5 && !HALF ? 2 : 1;
+#else
+constexpr int MINB_STREAM16 = 1;
+#endif
+__host__ __device__ constexpr int minb_stream(int ks) { return ks > 8 ? MINB_STREAM16 : MINB_STREAM; }
 
-// Few-row tiers (MODE as in gemm_segment) over BM rows of x: 8 warps, 4 tiles each, 4 k-warps, 8 k16 steps, 4 stages.
-#define EXL3_FEW_TIER(NAME, BM, MODE) \
+// Few-row tiers (MODE as in gemm_segment) over BM rows of x: 8 warps, 4 tiles each, 4 k-warps, KS k16 steps per stage,
+// ST stages. 16 x 2 halves the stage barriers of 8 x 4 in the same shared memory; stages are whole, so the "k8" twins
+// (8 x 4) serve layers whose k is not a multiple of 256 (variants.for_k picks them).
+#define EXL3_FEW_TIER(NAME, BM, MODE, KS, ST) \
     extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##_f16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, false, MODE>(p, smem); } \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, false, MODE>(p, smem); } \
     extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##_bf16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, true, MODE>(p, smem); } \
-    extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_##NAME##s_f16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, false, MODE, true>(p, smem); } \
-    extern "C" __global__ void __launch_bounds__(256, MINB_STREAM) exl3_gemm_##NAME##s_bf16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, true, MODE, true>(p, smem); }
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, true, MODE>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(256, minb_stream(KS)) exl3_gemm_##NAME##s_f16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, false, MODE, true>(p, smem); } \
+    extern "C" __global__ void __launch_bounds__(256, minb_stream(KS)) exl3_gemm_##NAME##s_bf16(const GemmArgs p) \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, true, MODE, true>(p, smem); }
 // h8 / h16: each 8 rows of x as the MMA's n against 16 weight columns as its A operand (per 8 rows and tile one MMA
 // for mul1, two for 3inst / mcg whose weight halves the MMA adds: no fp16 packing in the decode).
-EXL3_FEW_TIER(h8, 8, 3)
-EXL3_FEW_TIER(h16, 16, 3)
+EXL3_FEW_TIER(h8, 8, 3, 16, 2)
+EXL3_FEW_TIER(h16, 16, 3, 16, 2)
+EXL3_FEW_TIER(h8k8, 8, 3, 8, 4)
+EXL3_FEW_TIER(h16k8, 16, 3, 8, 4)
 // Their "fx" twins (fixed split-k): each block transforms its own rows of raw x (no input-transform launch).
-#define EXL3_FX_TIER(NAME, BM) \
+#define EXL3_FX_TIER(NAME, BM, KS, ST) \
     extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##fx_f16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, false, 3, false, false, true>(p, smem); } \
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, false, 3, false, false, true>(p, smem); } \
     extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##fx_bf16(const GemmArgs p) \
-    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, 8, 4, true, 3, false, false, true>(p, smem); }
-EXL3_FX_TIER(h8, 8)
-EXL3_FX_TIER(h16, 16)
+    { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, true, 3, false, false, true>(p, smem); }
+EXL3_FX_TIER(h8, 8, 16, 2)
+EXL3_FX_TIER(h16, 16, 16, 2)
+EXL3_FX_TIER(h8k8, 8, 8, 4)
+EXL3_FX_TIER(h16k8, 16, 8, 4)
 
 #if EXL3_CB == 2
 
 // int8 activations against the mul1 product bytes: i8 = up to 8 rows (hi and lo parts as the 16 MMA rows), i4 = up
 // to 4 rows with the weights as the MMA's A operand (16 columns per MMA instead of 8: half the MMAs per tile).
-EXL3_FEW_TIER(i8, 8, 1)
-EXL3_FEW_TIER(i4, 8, 2)
+EXL3_FEW_TIER(i8, 8, 1, 16, 2)
+EXL3_FEW_TIER(i4, 8, 2, 16, 2)
+EXL3_FEW_TIER(i8k8, 8, 1, 8, 4)
+EXL3_FEW_TIER(i4k8, 8, 2, 8, 4)
 #endif
 
 #ifdef EXL3_WGMMA
