@@ -14,7 +14,8 @@ import torch
 from . import nvrtc
 from .nvrtc import KernelError
 from .op import _DTYPES as _OP_DTYPES, _ZERO, _GemmArgs, _dev, bits_of, deterministic, int8_ok
-from .variants import IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, for_k, gemm_kernel_name, linear_defines
+from .variants import (IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, for_k, gemm_kernel_name, linear_defines,
+                       whole_stages)
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,7 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     cbs = list(w13_codebooks) + list(w2_codebooks)
     p = moe_plan(T, topk, E, k13, n13, k2, n2, bits, cbs, d.sms, d.smem_limit)
     tier = TIERS[p.tier]
-    if any((kk // 16) % tier.ks or st % tier.ks for kk, st in ((k13, p.steps13), (k2, p.steps2))):
+    if not whole_stages(tier, k13 // 16, p.steps13, k2 // 16, p.steps2):
         raise KernelError(f"exl3 moe: tier {tier.name} runs {tier.ks} k16 steps per stage; k13={k13} / k2={k2} "
                           f"are not whole stages (use its k8 twin)")
     pairs = T * topk

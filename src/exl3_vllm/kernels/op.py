@@ -14,7 +14,7 @@ import torch
 from . import nvrtc, tune
 from .nvrtc import KernelError
 from .variants import (INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, RECON_SMEM, TIERS, WG_ARCH, for_k, gemm_kernel_name,
-                       linear_defines)
+                       linear_defines, whole_stages)
 
 # Above this many rows the static plan takes dequantize + cuBLAS (EXL3_VLLM_LARGE_M overrides); the measured
 # dispatch (tune.py) may still pick a fused tier there.
@@ -383,8 +383,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     k, n_total, sizes, bits = _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if not x2.is_contiguous() or x2.data_ptr() % 16:  # the kernels read x in 8- and 16-byte words
-        x2 = x2.clone(memory_format=torch.contiguous_format)
+    x2 = _aligned(x2)  # the kernels read x in 8- and 16-byte words
     m = x2.shape[0]
     y = out if out is not None else torch.empty(m, n_total, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -405,8 +404,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     if bias is not None:
         bias = _aligned(bias.to(torch.float16))
     tier = TIERS[p.tier]
-    if (k // 16) % tier.ks or p.steps_per_split % tier.ks:
-        # The kernels run whole stages: a partial one would drop the last k16 steps without a sound.
+    if not whole_stages(tier, k // 16, p.steps_per_split):
         raise KernelError(f"exl3 linear: tier {tier.name} runs {tier.ks} k16 steps per stage; k={k} with "
                           f"{p.steps_per_split} steps per split is not whole stages (use its k8 twin)")
     xmeta = None

@@ -87,11 +87,15 @@ TIERS = {t.name: t for t in (
 )}
 
 
+def whole_stages(tier: Tier, *steps: int) -> bool:
+    """Every count of k16 steps (a layer's k / 16, a split's steps) is whole stages of tier: the kernels run whole
+    stages, so a partial one would drop its steps."""
+    return all(s % tier.ks == 0 for s in steps)
+
+
 def for_k(tier: Tier, k: int) -> Tier:
-    """tier, or its "k8" twin where k / 16 is not a whole number of tier's stages (the kernels run whole stages)."""
-    if (k // 16) % tier.ks == 0:
-        return tier
-    return TIERS[tier.name + "k8"]
+    """tier, or its "k8" twin where k / 16 is not a whole number of tier's stages."""
+    return tier if whole_stages(tier, k // 16) else TIERS[tier.name + "k8"]
 
 
 # The only arch whose build has the wg tiers (wgmma is Hopper's; NVRTC targets sm_90a there).

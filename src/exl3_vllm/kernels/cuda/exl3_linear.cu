@@ -1318,6 +1318,8 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     LaneMap<KA, HALF> lm;
     lm.init(lane);
+    // H16 as the A operand (rows: k out, columns: k in); H16 is symmetric, so {ha[0], ha[2]} and {ha[1], ha[3]} are
+    // its B fragments for columns 0-7 and 8-15.
     const u32 ha[4] = {had16_pair(g, 2 * t, 2 * t + 1), had16_pair(g + 8, 2 * t, 2 * t + 1),
                        had16_pair(g, 2 * t + 8, 2 * t + 9), had16_pair(g + 8, 2 * t + 8, 2 * t + 9)};
     const int kb = k >> 7, units = (cols >> 7) * kb;
