@@ -212,7 +212,7 @@ def test_plan_streamk_whole_waves(monkeypatch):
 
 def test_plan_split_suffix_and_split_candidates():
     """'<tier>:s<N>' runs fixed split-k over N splits; the dispatch times its two best tiers at half and twice their
-    static factor."""
+    static factor and at the factors that fill whole waves."""
     from types import SimpleNamespace
     from exl3_vllm.kernels import tune
     base = kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90, force="w16")
@@ -226,8 +226,14 @@ def test_plan_split_suffix_and_split_candidates():
         with pytest.raises(kop.KernelError, match="':fixed' or ':s<N>'"):
             kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90, force=bad)
     hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024, sms=132)
+    # half, twice, then whole waves of 132 / 264 / 396 / 528 blocks over 32 column blocks (w16:s12 runs 11 splits of
+    # 3 stages; h8's waves round to the factors already listed)
     assert tune.with_splits(hopper, ["w16", "h8:fixed", "dequant"], 1, 4096, 4096, 4, 1, [4096]) == \
-        ["w16:s4", "w16:s16", "h8:s4", "h8:s16"]
+        ["w16:s4", "w16:s16", "w16:s11", "h8:s4", "h8:s16"]
+    # 64 column blocks: 2 and 4 whole waves of one block per SM are 4 and 8 splits (the static plan takes 5)
+    assert kop.plan(1, 28672, 8192, 4, 132, codebook=2, arch=90, force="h8:fixed").splits == 5
+    assert tune.with_splits(hopper, ["h8"], 1, 28672, 8192, 4, 2, [8192]) == ["h8:s2", "h8:s10", "h8:s4", "h8:s6",
+                                                                               "h8:s8"]
     # capped at one k16 stage per split, and never below one split
     assert kop.plan(64, 512, 4096, 4, 132, arch=90, force="x64:fixed").splits == 4
     assert tune.with_splits(hopper, ["x64"], 64, 512, 4096, 4, 1, [4096]) == ["x64:s2"]

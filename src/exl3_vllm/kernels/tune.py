@@ -33,6 +33,8 @@ LIGHT_BUCKET = 256
 
 # Buckets up to this many rows also time other split-k factors (EXL3_VLLM_TUNE_SPLITS overrides, 0: none).
 DEFAULT_SPLIT_BUCKET = 512
+# Which split factors that round times (with_splits); part of the cache key, so a new rule re-times.
+SPLIT_RULE = 2
 
 _table: dict[tuple, dict[int, str]] = {}
 _disk: dict[int, dict] = {}
@@ -62,7 +64,7 @@ def tier_set_tag() -> str:
     factors and the stream-k switches. A cache file timed by another build of the same version is not read."""
     from .nvrtc import _HEADERS, read_source
     from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
-    tag = ",".join(sorted(TIERS)) + (f";splits{split_bucket()}" if split_bucket() > 0 else "")
+    tag = ",".join(sorted(TIERS)) + (f";splits{split_bucket()}:{SPLIT_RULE}" if split_bucket() > 0 else "")
     tag += ";sk" + "".join(os.environ.get(v, "1") for v in ("EXL3_VLLM_STREAMK", "EXL3_VLLM_STREAMK_DP"))
     tag += ";fx" + os.environ.get("EXL3_VLLM_FUSED_INPUT", "")
     h = hashlib.sha1(tag.encode())
@@ -182,8 +184,10 @@ def fastest_tiers(times: dict, n: int = 2) -> list[str]:
 
 def with_splits(d, best: list[str], m: int, k: int, n_total: int, bits: float, codebook: int,
                 sizes: List[int]) -> list[str]:
-    """The best tiers again with half and twice their static fixed split-k factor ("<tier>:s<N>"): fewer splits
-    mean fewer atomics and x re-reads, more mean more resident blocks to hide the decode latency."""
+    """The best tiers again at other fixed split-k factors ("<tier>:s<N>"): half and twice the static factor, and the
+    factors whose grids fill 1..4 whole waves of one block per SM (a tier may fit one or two per SM). Fewer splits
+    mean fewer atomics and x re-reads, more mean more resident blocks to hide the decode latency. Factors are listed as
+    the plan runs them (a factor that rounds to whole stages of another is timed once)."""
     from .op import plan
     from .variants import TIERS
     out = []
@@ -191,10 +195,21 @@ def with_splits(d, best: list[str], m: int, k: int, n_total: int, bits: float, c
         tier = c.split(":")[0]
         if tier == "dequant":
             continue
-        base = plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes),
-                    tier + ":fixed").splits
-        top = max(1, (k // 16) // TIERS[tier].ks)  # at least one k16 stage per split
-        out += [f"{tier}:s{s}" for s in dict.fromkeys((max(1, base // 2), min(top, 2 * base))) if s != base]
+        t = TIERS[tier]
+
+        def runs(s: int) -> int:
+            return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes),
+                        f"{tier}:s{s}" if s else tier + ":fixed").splits
+        base = runs(0)
+        top = max(1, (k // 16) // t.ks)  # at least one k16 stage per split
+        blocks = (n_total // t.cols) * -(-m // t.bm)
+        want = [max(1, base // 2), min(top, 2 * base)] + [min(top, max(1, w * d.sms // blocks)) for w in (1, 2, 3, 4)]
+        seen = {base}
+        for s in want:
+            s = runs(s)
+            if s not in seen:
+                seen.add(s)
+                out.append(f"{tier}:s{s}")
     return list(dict.fromkeys(out))
 
 
