@@ -19,7 +19,7 @@ from exl3_vllm.kernels import clock, op as kop, tune  # noqa: E402
 
 
 def old_splits(d, best, m, k, n_total, bits, codebook, sizes):
-    """The rule before SPLIT_RULE 2: half and twice the static fixed factor."""
+    """The split rule before f119b18: half and twice the static fixed factor."""
     out = []
     for c in best:
         tier = c.split(":")[0]

@@ -243,6 +243,23 @@ def test_plan_split_suffix_and_split_candidates():
     assert "x256:s1" in tune.with_splits(hopper, tune.fastest_tiers(times), 256, 4096, 14336, 4, 2, [14336])
 
 
+def test_candidates_take_the_128_column_twin():
+    """Where the Hopper tier for m rows is a 256-column one (w64, w128), the dispatch also times its 128-column twin;
+    the 128-column tiers have none, and a layer whose shards are 128-column multiples only gets the twin itself."""
+    from types import SimpleNamespace
+    from exl3_vllm.kernels import tune
+    hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024, sms=132)
+    c64 = tune.candidates(hopper, 64, 4096, 4, 2, 4096)
+    assert "w64" in c64 and "w64n" in c64
+    c128 = tune.candidates(hopper, 128, 4096, 4, 2, 4096)
+    assert "w128" in c128 and "w128n" in c128
+    assert "w32" in tune.candidates(hopper, 32, 4096, 4, 2, 4096)
+    narrow = tune.candidates(hopper, 64, 4096, 4, 2, 384)
+    assert "w64n" in narrow and "w64" not in narrow
+    assert not any(c.startswith("w") for c in tune.candidates(SimpleNamespace(arch=89, smem_limit=99 * 1024, sms=128),
+                                                             64, 4096, 4, 2, 4096))
+
+
 def test_plan_wg_tiers(monkeypatch):
     """On sm_90 the wgmma tiers take 9..LARGE_M rows; other archs keep the mma.sync tiers; forcing checks the arch."""
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).tier == "i4"

@@ -1,10 +1,10 @@
 """Measured dispatch: per layer shape and row bucket, the fastest path a call may take, timed once and cached.
 
-prepare() times the candidates (the int8 tier, the Hopper wgmma tier, the mma.sync tier, dequantize + cuBLAS), then
-the two fastest tiers again at other split-k factors (buckets up to split_bucket() rows), on random data of the layer's shape
-at each bucket of rows up to the layer's max_m, outside any graph capture, and keeps the winner in memory and in a
-JSON file per (GPU, driver, CUDA, NVRTC, package version, tier set). A call with m rows uses the choice of the
-smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
+prepare() times the candidates (the int8 tier, the Hopper wgmma tier and its 128-column twin, the mma.sync tier,
+dequantize + cuBLAS), then the two fastest tiers again at other split-k factors (buckets up to split_bucket() rows),
+on random data of the layer's shape at each bucket of rows up to the layer's max_m, outside any graph capture, and
+keeps the winner in memory and in a JSON file per (GPU, driver, CUDA, NVRTC, package version, tier set). A call with
+m rows uses the choice of the smallest bucket >= m. EXL3_VLLM_TUNE=0 or deterministic mode keep the static plan.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ LIGHT_BUCKET = 256
 
 # Buckets up to this many rows also time other split-k factors (EXL3_VLLM_TUNE_SPLITS overrides, 0: none).
 DEFAULT_SPLIT_BUCKET = 512
-# Which split factors that round times (with_splits); part of the cache key, so a new rule re-times.
-SPLIT_RULE = 2
+# Which paths a bucket times (candidates, with_splits); part of the cache key, so a new rule re-times.
+TUNE_RULE = 3
 
 _table: dict[tuple, dict[int, str]] = {}
 _disk: dict[int, dict] = {}
@@ -64,7 +64,7 @@ def tier_set_tag() -> str:
     factors and the stream-k switches. A cache file timed by another build of the same version is not read."""
     from .nvrtc import _HEADERS, read_source
     from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
-    tag = ",".join(sorted(TIERS)) + (f";splits{split_bucket()}:{SPLIT_RULE}" if split_bucket() > 0 else "")
+    tag = ",".join(sorted(TIERS)) + f";rule{TUNE_RULE}" + (f";splits{split_bucket()}" if split_bucket() > 0 else "")
     tag += ";sk" + "".join(os.environ.get(v, "1") for v in ("EXL3_VLLM_STREAMK", "EXL3_VLLM_STREAMK_DP"))
     tag += ";fx" + os.environ.get("EXL3_VLLM_FUSED_INPUT", "")
     h = hashlib.sha1(tag.encode())
@@ -143,7 +143,12 @@ def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) ->
     if m <= TIERS["h16"].bm:
         out.append("h8" if m <= TIERS["h8"].bm else "h16")
     if wg_enabled(d.arch) and m <= 128:
-        out.append(wg_tier(m, bits, d.smem_limit, col_align).name)
+        t = wg_tier(m, bits, d.smem_limit, col_align)
+        out.append(t.name)
+        # Its 128-column twin as well: two smaller blocks per SM were faster on some layers (4096x4096 at 64-128 rows).
+        twin = TIERS.get(t.name + "n")
+        if twin is not None and twin.smem(bits) <= d.smem_limit and col_align % twin.cols == 0:
+            out.append(twin.name)
     if ws_enabled(d.arch) and m >= 32:
         # Row blocks within a factor 2 of m (a smaller block decodes twice but may pipeline better), else the largest.
         near = [t.name for t in TIERS.values() if t.ws and m <= 2 * t.bm and t.bm <= 2 * m and t.smem(bits) <= d.smem_limit]
