@@ -206,9 +206,9 @@ def with_splits(d, best: list[str], m: int, k: int, n_total: int, bits: float, c
             return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes),
                         f"{tier}:s{s}" if s else tier + ":fixed").splits
         base = runs(0)
-        top = max(1, (k // 16) // t.ks)  # at least one k16 stage per split
         blocks = (n_total // t.cols) * -(-m // t.bm)
-        want = [max(1, base // 2), min(top, 2 * base)] + [min(top, max(1, w * d.sms // blocks)) for w in (1, 2, 3, 4)]
+        # (plan caps a factor at one k16 stage per split)
+        want = [max(1, base // 2), 2 * base] + [max(1, w * d.sms // blocks) for w in (1, 2, 3, 4)]
         seen = {base}
         for s in want:
             s = runs(s)
