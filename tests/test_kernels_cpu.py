@@ -48,6 +48,32 @@ def test_compile_sm90_no_spills(tmp_path, monkeypatch):
     assert "exl3_gemm_m16_f16" in buf.getvalue()
 
 
+@pytest.mark.skipif(not _HAVE_NVRTC, reason="cuda-bindings / nvidia-cuda-nvrtc not installed (pip install cuda-bindings nvidia-cuda-nvrtc)")
+def test_overlap_probe_compiles(tmp_path, monkeypatch):
+    """The benchmark's overlap probe (bench/probe_overlap.cu, built on the package headers) compiles for sm_90a through
+    compile_source(text=...) into its own cache entry, with every probe kernel and no spills."""
+    import os
+    import sys
+
+    try:
+        from exl3_vllm.kernels.nvrtc import nvrtc_version
+        nvrtc_version()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"NVRTC not usable here: {e}")
+    monkeypatch.setenv("EXL3_VLLM_CACHE_DIR", str(tmp_path))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    try:
+        from probe_overlap import compile_probe
+    finally:
+        sys.path.pop(0)
+    c = compile_probe(4, 2)
+    info = {k.name: k for k in c.kernels()}
+    assert set(info) == {"probe_rs64", "probe_rs128", "probe_ss64", "probe_ss128", "probe_ss256"}, c.log
+    assert all(k.spill_stores + k.spill_loads == 0 for k in info.values()), c.log
+    assert not c.cached and compile_probe(4, 2).cached  # keyed by the text: the second call reads the cache
+    assert len(list((tmp_path / "kernels").glob("probe_overlap-sm90-*.cubin"))) == 1
+
+
 def test_ptxas_log_parser():
     log = """ptxas info    : Function properties for exl3_gemm_m16_f16
 ptxas         .     0 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads

@@ -123,19 +123,24 @@ def arch_flag(arch: int) -> str:
     return f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
 
 
-def _key(source: str, arch: int, defines: dict) -> str:
+def _key(source: str, arch: int, defines: dict, text: bytes | None = None) -> str:
     h = hashlib.sha256()
-    h.update(read_source(source))
+    h.update(read_source(source) if text is None else text)
     for hdr in _HEADERS:
         h.update(read_source(hdr))
     h.update(repr((arch_flag(arch), sorted(defines.items()), _BASE_OPTS, nvrtc_version())).encode())
     return h.hexdigest()[:32]
 
 
-def compile_source(source: str, arch: int, defines: dict | None = None, use_cache: bool = True) -> Compiled:
-    """Compile one .cu of the package to a cubin for sm_<arch>, through the disk cache."""
+def compile_source(source: str, arch: int, defines: dict | None = None, use_cache: bool = True,
+                   text: bytes | None = None) -> Compiled:
+    """Compile one .cu of the package to a cubin for sm_<arch>, through the disk cache.
+
+    text: compile this source instead of the package file (benchmark probes that include the package's headers);
+    source then only names it."""
     defines = dict(defines or {})
-    key = _key(source, arch, defines)
+    src = read_source(source) if text is None else text
+    key = _key(source, arch, defines, src)
     cdir = cache_dir()
     stem = f"{Path(source).stem}-sm{arch}-{key}"
     cubin_path, log_path = cdir / f"{stem}.cubin", cdir / f"{stem}.log"
@@ -148,7 +153,7 @@ def compile_source(source: str, arch: int, defines: dict | None = None, use_cach
         raise KernelError(f"exl3-vllm kernels need compute capability 8.0 or newer, got sm_{arch}")
     nv = _nvrtc()
     hdrs = [read_source(h) for h in _HEADERS]
-    prog = _check(nv.nvrtcCreateProgram(read_source(source), source.encode(), len(hdrs), hdrs,
+    prog = _check(nv.nvrtcCreateProgram(src, source.encode(), len(hdrs), hdrs,
                                         [h.encode() for h in _HEADERS]), "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch_flag(arch)}".encode(), *(o.encode() for o in _BASE_OPTS)]
