@@ -123,9 +123,9 @@ def arch_flag(arch: int) -> str:
     return f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
 
 
-def _key(source: str, arch: int, defines: dict, text: bytes | None = None) -> str:
+def _key(src: bytes, arch: int, defines: dict) -> str:
     h = hashlib.sha256()
-    h.update(read_source(source) if text is None else text)
+    h.update(src)
     for hdr in _HEADERS:
         h.update(read_source(hdr))
     h.update(repr((arch_flag(arch), sorted(defines.items()), _BASE_OPTS, nvrtc_version())).encode())
@@ -140,7 +140,7 @@ def compile_source(source: str, arch: int, defines: dict | None = None, use_cach
     source then only names it."""
     defines = dict(defines or {})
     src = read_source(source) if text is None else text
-    key = _key(source, arch, defines, src)
+    key = _key(src, arch, defines)
     cdir = cache_dir()
     stem = f"{Path(source).stem}-sm{arch}-{key}"
     cubin_path, log_path = cdir / f"{stem}.cubin", cdir / f"{stem}.log"
