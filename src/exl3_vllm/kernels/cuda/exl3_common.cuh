@@ -90,7 +90,19 @@ EXL3_INLINE void st_cg4(float* p, float4 v)
 {
     asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
 }
+EXL3_INLINE int atom_add_acq_rel(int* p, int v)
+{
+    int r;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(r) : "l"(p), "r"(v) : "memory");
+    return r;
+}
 EXL3_INLINE void red_add(float* p, float v) { asm volatile("red.global.add.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory"); }
+#if __CUDA_ARCH__ >= 900
+EXL3_INLINE void red_add4(float* p, float4 v)
+{
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+#endif
 
 // 128-point Sylvester Hadamard over a warp: lane holds elements 4*lane..4*lane+3, result scaled by 1/sqrt(128).
 EXL3_INLINE void had128_warp(float (&v)[4], int lane)

@@ -207,19 +207,17 @@ EXL3_INLINE void mma_16832_u8s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32
 
 // Split-k through atomics, after this block's partial sums went into the workspace: counts its arrival at (row
 // block mb, column block cb); true for the last of ncontrib arrivals, which then resets the counter. sync is the
-// barrier of the threads that wrote.
+// barrier of the threads that wrote. One thread's acq_rel atomic after the barrier orders the whole block's sums
+// (release is cumulative over the barrier) and, for the last block, everyone else's (cheaper than fence.sc per thread).
 template <class SYNC>
 EXL3_INLINE bool last_arrival(const GemmArgs& p, const int mb, const int cb, const int ncontrib, const SYNC& sync)
 {
     __shared__ int s_last;
-    __threadfence();
-    sync();
     int* counter = p.counters + mb * (p.n_total >> 7) + cb;
-    if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == ncontrib - 1;
     sync();
-    if (!s_last) return false;
-    __threadfence();
-    return true;
+    if (threadIdx.x == 0) s_last = atom_add_acq_rel(counter, 1) == ncontrib - 1;
+    sync();
+    return s_last;
 }
 
 // The summed partials of rows x 128 columns from the workspace into red, leaving the workspace zero for the next call.
@@ -249,8 +247,9 @@ EXL3_INLINE void take_partials(const GemmArgs& p, float* red, const int rows, co
 }
 
 // After the block's partial sums for rows x 128 columns are in red: the epilogue directly (ncontrib == 1), split
-// slots (mode 1), or atomics into the fp32 workspace with the last arriving block finishing (TB: take_partials' batch).
-template <bool OUT_BF16, int NWARPS, int TB = 4>
+// slots (mode 1), or atomics into the fp32 workspace with the last arriving block finishing (TB: take_partials' batch;
+// VEC: vector atomics, where registers allow: the stream-k kernels keep more live across the tail and spill with them).
+template <bool OUT_BF16, int NWARPS, int TB = 4, bool VEC = true>
 __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, float* red, const int rows,
                                              const int row0, const int cb, const int split, const int mb,
                                              const int ncontrib)
@@ -258,7 +257,11 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
     constexpr int THREADS = 32 * NWARPS;
     const int tid = threadIdx.x;
     const int ncol0 = cb * 128;
+#ifdef EXL3_DIAG_NO_TAIL  // bound analysis only (wrong results): every split runs the epilogue on its own partials
+    if (true)
+#else
     if (ncontrib == 1)
+#endif
     {
         epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
         return;
@@ -273,6 +276,17 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
         }
         return;
     }
+#if __CUDA_ARCH__ >= 900
+    if constexpr (VEC)  // one vector atomic per 4 columns: a quarter of the L2 operations the arrival waits out
+    {
+        for (int idx = tid; idx < rows * 32; idx += THREADS)
+        {
+            const int r = idx >> 5, c = (idx & 31) * 4;
+            red_add4(p.ws + (size_t)(row0 + r) * p.n_total + ncol0 + c, *(const float4*)(red + r * RLD + c));
+        }
+    }
+    else
+#endif
     for (int idx = tid; idx < rows * 128; idx += THREADS)
     {
         const int r = idx >> 7, c = idx & 127;
@@ -283,6 +297,17 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
     if (tid == 0) p.counters[mb * (p.n_total >> 7) + cb] = 0;
     __syncthreads();
     epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
+}
+
+// mma_16816 in the h8 / h16 loop; EXL3_DIAG_NO_MMA folds the operands into the accumulator instead (bound analysis
+// only, wrong results: the loop without the tensor-core work).
+EXL3_INLINE void mma_16816_d(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
+{
+#ifdef EXL3_DIAG_NO_MMA
+    c[0] = __uint_as_float(__float_as_uint(c[0]) ^ a[0] ^ a[1] ^ a[2] ^ a[3] ^ b0 ^ b1);
+#else
+    mma_16816(c, a, b0, b1);
+#endif
 }
 
 // This lane's 8 states of the tile whose words start at tw (shared memory).
@@ -366,7 +391,7 @@ struct XTransform
 // directly (ncontrib == 1), through split slots (mode 1) or through atomics with the last arriving block finishing.
 // MODE: 0 = fp16, x as the MMA's A operand; 1 = int8 x as A (i8); 2 = int8 with the weights as A (i4); 3 = fp16 with
 // the weights as A (h8, h16: each 8 rows of x are one MMA's n).
-template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE, bool FX = false>
+template <int BM, int NT, int KW, int KS, int STAGES, bool OUT_BF16, int MODE, bool FX = false, bool STREAM = false>
 __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trellis, const u16* svh, char* smem,
                                              const int cb, const int split, const int mb, const int step0,
                                              const int nstages, const int ncontrib)
@@ -500,24 +525,37 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 for (int nt = 0; nt < NT; ++nt)
                 {
                     u32 st[8];
+#ifdef EXL3_DIAG_NO_DECODE  // bound analysis only (wrong results): the tile's raw words instead of its states
+                    #pragma unroll
+                    for (int q = 0; q < 8; ++q) st[q] = bB[i * B_STEP + (nw * NT + nt) * W32 + lm.idx[q % NW]];
+#else
                     tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
+#endif
                     if constexpr (CB == 2)
                     {
                         u32 b[4];
+#ifdef EXL3_DIAG_NO_DECODE
+                        b[0] = st[0]; b[1] = st[1]; b[2] = st[2]; b[3] = st[3];
+#else
                         states_to_frag<CB>(st, b);
+#endif
                         #pragma unroll
-                        for (int nb = 0; nb < MT; ++nb) mma_16816(acc[nb][nt], {b[0], b[2], b[1], b[3]}, xa[nb], xb[nb]);
+                        for (int nb = 0; nb < MT; ++nb) mma_16816_d(acc[nb][nt], {b[0], b[2], b[1], b[3]}, xa[nb], xb[nb]);
                     }
                     else
                     {
                         u32 h[8];
                         #pragma unroll
+#ifdef EXL3_DIAG_NO_DECODE
+                        for (int q = 0; q < 8; ++q) h[q] = st[q];
+#else
                         for (int q = 0; q < 8; ++q) h[q] = cb_halves<CB>(st[q]);
+#endif
                         #pragma unroll
                         for (int nb = 0; nb < MT; ++nb)
                         {
-                            mma_16816(acc[nb][nt], {h[0], h[4], h[1], h[5]}, x0[nb], x1[nb]);
-                            mma_16816(acc[nb][nt], {h[2], h[6], h[3], h[7]}, x2[nb], x3[nb]);
+                            mma_16816_d(acc[nb][nt], {h[0], h[4], h[1], h[5]}, x0[nb], x1[nb]);
+                            mma_16816_d(acc[nb][nt], {h[2], h[6], h[3], h[7]}, x2[nb], x3[nb]);
                         }
                     }
                 }
@@ -583,7 +621,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                         *d = kk ? *d + acc[nb][nt][e] : acc[nb][nt][e];
                     }
         });
-        segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
+        segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
     }
     if constexpr (MODE == 2)
@@ -604,7 +642,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                     *d = kk ? *d + v : v;
                 }
         });
-        segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
+        segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
     }
     if constexpr (I8)
@@ -647,7 +685,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     }
 
 
-    segment_tail<OUT_BF16, NWARPS>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
+    segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
 }
 
 #ifdef EXL3_WGMMA
@@ -793,7 +831,7 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
         }
         __syncthreads();
         constexpr int TB = NWG > 2 ? 2 : 4;  // the 4-warpgroup tiers' accumulators leave room for 2 loads in flight
-        segment_tail<OUT_BF16, 4 * NWG, TB>(p, svh, red, rows, row0, cb * (NWG / 2) + h, split, mb, ncontrib);
+        segment_tail<OUT_BF16, 4 * NWG, TB, NWG <= 2>(p, svh, red, rows, row0, cb * (NWG / 2) + h, split, mb, ncontrib);
     }
 }
 #endif
@@ -853,7 +891,7 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         }
 #endif
         if constexpr (!WG)
-            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, MODE, FX>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
+            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, MODE, FX, STREAM>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
                                                                  ncontrib);
     };
     for_each_segment<KS, STREAM>(p, WG ? 64 * NT : 128, [&](int cb, int split, int step0, int nstages, int ncontrib) {
