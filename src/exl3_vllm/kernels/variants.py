@@ -51,12 +51,17 @@ class Tier:
             return 1024 + max(self.stages * self.ks * (4 * self.wg * w32 * 4 + self.bm * 32), self.bm * 132 * 4)
         a_stage = self.ks * 256 if self.int8 else self.bm * (self.ks * 16 + 8) * 2
         stage = self.ks * 8 * w32 * 4 + a_stage
-        return max(self.stages * stage, self.bm * 132 * 4)
+        return max(self.stages * stage, self.red_bytes)
+
+    @property
+    def red_bytes(self) -> int:
+        """The fp32 reduction tile of 128 padded columns: one per k-warp for h8 / h16 (each sums its own slice)."""
+        return self.bm * 132 * 4 * (self.kw if self.xb and not self.int8 and not self.wg else 1)
 
     def smem_fx(self, bits: float, steps: int) -> int:
         """The "fx" twin of h8 / h16: trellis stages, then the block's rows of x over its steps k16 steps."""
         w32 = 8 * int(bits) + (4 if bits != int(bits) else 0)
-        return max(self.stages * self.ks * 8 * w32 * 4 + self.bm * (steps * 16 + 8) * 2, self.bm * 132 * 4)
+        return max(self.stages * self.ks * 8 * w32 * 4 + self.bm * (steps * 16 + 8) * 2, self.red_bytes)
 
 
 # Must match the EXL3_TIER / EXL3_FEW_TIER / EXL3_WG_TIER / EXL3_WS_TIER lines of exl3_linear.cu.

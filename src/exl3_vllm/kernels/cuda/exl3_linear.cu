@@ -608,19 +608,26 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     {
         // acc[nb][nt]: x rows 8 nb + 2j, 8 nb + 2j + 1 (j = lane % 4) of output columns g and g + 8 of tile nt.
         float* red = (float*)smem;
-        kwarp_reduce<KW>(kw, [&](const int kk) {
+        // Each k-warp writes its own slice (Tier.red_bytes), then every thread sums its elements' slices in k-warp
+        // order: the fixed-order sums of kwarp_reduce with two barriers instead of KW rounds of them.
+        #pragma unroll
+        for (int nb = 0; nb < MT; ++nb)
             #pragma unroll
-            for (int nb = 0; nb < MT; ++nb)
+            for (int nt = 0; nt < NT; ++nt)
                 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                    {
-                        float* d = red + (nb * 8 + 2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2)
-                                 + 8 * (e >> 1);
-                        *d = kk ? *d + acc[nb][nt][e] : acc[nb][nt][e];
-                    }
-        });
+                for (int e = 0; e < 4; ++e)
+                    red[kw * BM * RLD + (nb * 8 + 2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2)
+                        + 8 * (e >> 1)] = acc[nb][nt][e];
+        __syncthreads();
+        for (int idx = tid; idx < rows * 128; idx += THREADS)
+        {
+            const int o = (idx >> 7) * RLD + (idx & 127);
+            float v = red[o];
+            #pragma unroll
+            for (int kk = 1; kk < KW; ++kk) v += red[kk * BM * RLD + o];
+            red[o] = v;
+        }
+        __syncthreads();
         segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
     }
