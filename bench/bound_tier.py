@@ -1,5 +1,6 @@
 """Bound analysis of forced tiers: each tier timed in full and with the kernel's diagnostic switches (no MMA, no
-decode, no x loads, no split-k reduction; wrong results by design), one process per switch set, so the parts' costs can be compared.
+decode, no x loads, no split-k reduction; wrong results by design), one process per switch set, so the parts' costs
+can be compared.
 
 python bench/bound_tier.py --tiers x256:s1,x128 --layer 8192x28672 --ms 128,256
 A switch that is not one of SWITCHES is a compile-time variant to compare: defines joined by '+', e.g.

@@ -100,7 +100,8 @@ EXL3_INLINE void red_add(float* p, float v) { asm volatile("red.global.add.f32 [
 #if __CUDA_ARCH__ >= 900
 EXL3_INLINE void red_add4(float* p, float4 v)
 {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
 }
 #endif
 

@@ -540,7 +540,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                         states_to_frag<CB>(st, b);
 #endif
                         #pragma unroll
-                        for (int nb = 0; nb < MT; ++nb) mma_16816_d(acc[nb][nt], {b[0], b[2], b[1], b[3]}, xa[nb], xb[nb]);
+                        for (int nb = 0; nb < MT; ++nb)
+                            mma_16816_d(acc[nb][nt], {b[0], b[2], b[1], b[3]}, xa[nb], xb[nb]);
                     }
                     else
                     {
@@ -898,8 +899,8 @@ __device__ __forceinline__ void gemm_body(const GemmArgs& p, char* smem)
         }
 #endif
         if constexpr (!WG)
-            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, MODE, FX, STREAM>(p, trellis, svh, smem, cb, split, mb, step0, nstages,
-                                                                 ncontrib);
+            gemm_segment<BM, NT, KW, KS, STAGES, OUT_BF16, MODE, FX, STREAM>(p, trellis, svh, smem, cb, split, mb, step0,
+                                                                         nstages, ncontrib);
     };
     for_each_segment<KS, STREAM>(p, WG ? 64 * NT : 128, [&](int cb, int split, int step0, int nstages, int ncontrib) {
         segment(cb, split, step0, nstages, ncontrib);
