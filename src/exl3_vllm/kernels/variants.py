@@ -55,8 +55,9 @@ class Tier:
 
     @property
     def red_bytes(self) -> int:
-        """The fp32 reduction tile of 128 padded columns: one per k-warp for h8 / h16 (each sums its own slice)."""
-        return self.bm * 132 * 4 * (self.kw if self.xb and not self.int8 else 1)
+        """The fp32 reduction tile of 128 padded columns: one per k-warp for h8 / h16 / i4 / i8 (each sums its own
+        slice)."""
+        return self.bm * 132 * 4 * (self.kw if self.xb or self.int8 else 1)
 
     def smem_fx(self, bits: float, steps: int) -> int:
         """The "fx" twin of h8 / h16: trellis stages, then the block's rows of x over its steps k16 steps."""

@@ -299,6 +299,23 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
     epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
 }
 
+// The second half of a one-pass k-warp reduction: after each k-warp stored its partials in slice kw of red (BM rows of
+// RLD floats each) and a barrier, every thread sums its elements' slices in k-warp order into slice 0 (a fixed order,
+// so results do not depend on scheduling; two barriers instead of KW rounds of them).
+template <int KW, int BM, int THREADS>
+EXL3_INLINE void sum_slices(float* red, const int rows)
+{
+    for (int idx = threadIdx.x; idx < rows * 128; idx += THREADS)
+    {
+        const int o = (idx >> 7) * RLD + (idx & 127);
+        float v = red[o];
+        #pragma unroll
+        for (int kk = 1; kk < KW; ++kk) v += red[kk * BM * RLD + o];
+        red[o] = v;
+    }
+    __syncthreads();
+}
+
 // mma_16816 in the h8 / h16 loop; EXL3_DIAG_NO_MMA folds the operands into the accumulator instead (bound analysis
 // only, wrong results: the loop without the tensor-core work).
 EXL3_INLINE void mma_16816_d(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
@@ -317,19 +334,6 @@ EXL3_INLINE void tile_states(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&s
     #pragma unroll
     for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
     lane_states<KA, HALF>(w, lm.off, st);
-}
-
-// Fixed-order sum over the k-warps into the reduction tile (k-warp kk adds after kk - 1), so the result does not
-// depend on scheduling: put(kk) writes this warp's partials, adding to what is there when kk > 0.
-template <int KW, class PUT>
-EXL3_INLINE void kwarp_reduce(const int kw, const PUT& put)
-{
-    #pragma unroll 1
-    for (int kk = 0; kk < KW; ++kk)
-    {
-        if (kw == kk) put(kk);
-        __syncthreads();
-    }
 }
 
 // The h8 / h16 "fx" kernels' prologue: rows x nst 128-column chunks of x from k column kcol on, times shard suh and
@@ -609,8 +613,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     {
         // acc[nb][nt]: x rows 8 nb + 2j, 8 nb + 2j + 1 (j = lane % 4) of output columns g and g + 8 of tile nt.
         float* red = (float*)smem;
-        // Each k-warp writes its own slice (Tier.red_bytes), then every thread sums its elements' slices in k-warp
-        // order: the fixed-order sums of kwarp_reduce with two barriers instead of KW rounds of them.
+        // Each k-warp writes its own slice (Tier.red_bytes); sum_slices adds them in k-warp order.
         #pragma unroll
         for (int nb = 0; nb < MT; ++nb)
             #pragma unroll
@@ -620,15 +623,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                     red[kw * BM * RLD + (nb * 8 + 2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2)
                         + 8 * (e >> 1)] = acc[nb][nt][e];
         __syncthreads();
-        for (int idx = tid; idx < rows * 128; idx += THREADS)
-        {
-            const int o = (idx >> 7) * RLD + (idx & 127);
-            float v = red[o];
-            #pragma unroll
-            for (int kk = 1; kk < KW; ++kk) v += red[kk * BM * RLD + o];
-            red[o] = v;
-        }
-        __syncthreads();
+        sum_slices<KW, BM, THREADS>(red, rows);
         segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
     }
@@ -639,17 +634,14 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         const float sh = mt[0] * mul1_scale(), sl = mt[1] * mul1_scale();
         const float off = (step0 == 0 && kw == 0) ? mt[2] * mul1_offset() : 0.f;
         float* red = (float*)smem;
-        kwarp_reduce<KW>(kw, [&](const int kk) {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
             #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                {
-                    float* d = red + (lane & 3) * RLD + (nw * NT + nt) * 16 + (lane >> 2) + 8 * h;
-                    float v = (float)iacc[nt][2 * h] * sh + (float)iacc[nt][2 * h + 1] * sl + off;
-                    *d = kk ? *d + v : v;
-                }
-        });
+            for (int h = 0; h < 2; ++h)
+                red[kw * BM * RLD + (lane & 3) * RLD + (nw * NT + nt) * 16 + (lane >> 2) + 8 * h] =
+                    (float)iacc[nt][2 * h] * sh + (float)iacc[nt][2 * h + 1] * sl + off;
+        __syncthreads();
+        sum_slices<KW, BM, THREADS>(red, rows);
         segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
     }
@@ -667,8 +659,19 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         }
     }
 
-    // (kwarp_reduce written out: through a lambda here the i8 tiers' hot loop recomputes its word offsets)
     float* red = (float*)smem;
+    if constexpr (I8)
+    {
+        #pragma unroll
+        for (int j = 0; j < 2 * NT; ++j)
+            *(float2*)(red + kw * BM * RLD + (lane >> 2) * RLD + nw * NT * 16 + j * 8 + 2 * (lane & 3)) =
+                make_float2(acc[0][j][0], acc[0][j][1]);
+        __syncthreads();
+        sum_slices<KW, BM, THREADS>(red, rows);
+        segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
+        return;
+    }
+    // The m tiers: KW rounds of load-add-store in k-warp order (a slice per k-warp would outgrow their stages).
     #pragma unroll 1
     for (int kk = 0; kk < KW; ++kk)
     {
@@ -679,7 +682,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 #pragma unroll
                 for (int j = 0; j < 2 * NT; ++j)
                     #pragma unroll
-                    for (int h = 0; h < (I8 ? 1 : 2); ++h)
+                    for (int h = 0; h < 2; ++h)
                     {
                         const int r = mt * 16 + (lane >> 2) + h * 8;
                         const int c = nw * NT * 16 + j * 8 + 2 * (lane & 3);
