@@ -299,12 +299,13 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
     epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
 }
 
-// The second half of a one-pass k-warp reduction: after each k-warp stored its partials in slice kw of red (BM rows of
-// RLD floats each) and a barrier, every thread sums its elements' slices in k-warp order into slice 0 (a fixed order,
-// so results do not depend on scheduling; two barriers instead of KW rounds of them).
+// The second half of a one-pass k-warp reduction: once each k-warp stored its partials in slice kw of red (BM rows of
+// RLD floats each), every thread sums its elements' slices in k-warp order into slice 0 (a fixed order, so results do
+// not depend on scheduling; two barriers instead of KW rounds of them).
 template <int KW, int BM, int THREADS>
 EXL3_INLINE void sum_slices(float* red, const int rows)
 {
+    __syncthreads();
     for (int idx = threadIdx.x; idx < rows * 128; idx += THREADS)
     {
         const int o = (idx >> 7) * RLD + (idx & 127);
@@ -622,7 +623,6 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 for (int e = 0; e < 4; ++e)
                     red[kw * BM * RLD + (nb * 8 + 2 * (lane & 3) + (e & 1)) * RLD + (nw * NT + nt) * 16 + (lane >> 2)
                         + 8 * (e >> 1)] = acc[nb][nt][e];
-        __syncthreads();
         sum_slices<KW, BM, THREADS>(red, rows);
         segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
@@ -640,7 +640,6 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
             for (int h = 0; h < 2; ++h)
                 red[kw * BM * RLD + (lane & 3) * RLD + (nw * NT + nt) * 16 + (lane >> 2) + 8 * h] =
                     (float)iacc[nt][2 * h] * sh + (float)iacc[nt][2 * h + 1] * sl + off;
-        __syncthreads();
         sum_slices<KW, BM, THREADS>(red, rows);
         segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
@@ -666,7 +665,6 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         for (int j = 0; j < 2 * NT; ++j)
             *(float2*)(red + kw * BM * RLD + (lane >> 2) * RLD + nw * NT * 16 + j * 8 + 2 * (lane & 3)) =
                 make_float2(acc[0][j][0], acc[0][j][1]);
-        __syncthreads();
         sum_slices<KW, BM, THREADS>(red, rows);
         segment_tail<OUT_BF16, NWARPS, 4, !STREAM>(p, svh, red, rows, row0, cb, split, mb, ncontrib);
         return;
