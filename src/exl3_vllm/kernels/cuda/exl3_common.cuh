@@ -226,17 +226,25 @@ EXL3_INLINE u32 cb_halves(u32 st)
     return and_xor(v, 0x8FFF8FFFu, 0x3B603B60u);
 }
 
+// mul1 before its fp16 affine step: fp16 pairs of the exact integers 1024 + bytesum(state * mult).
+EXL3_INLINE void mul1_sums_to_frag(const u32 (&st)[8], u32 (&b)[4])
+{
+    u32 h[8];
+    #pragma unroll
+    for (int q = 0; q < 8; ++q) h[q] = dp4a_u(st[q] * 0x83DCD12Du, 0x01010101u, 0x6400u);
+    #pragma unroll
+    for (int p = 0; p < 4; ++p) b[p] = prmt(h[2 * p], h[2 * p + 1], 0x5410);
+}
+
 // Codebook: states -> packed fp16 pairs (v0,v1),(v2,v3),(v4,v5),(v6,v7) = two m16n8k16 B fragments.
 template <int CB>
 EXL3_INLINE void states_to_frag(const u32 (&st)[8], u32 (&b)[4])
 {
     if constexpr (CB == 2)
     {
-        u32 h[8];
+        mul1_sums_to_frag(st, b);
         #pragma unroll
-        for (int q = 0; q < 8; ++q) h[q] = dp4a_u(st[q] * 0x83DCD12Du, 0x01010101u, 0x6400u);
-        #pragma unroll
-        for (int p = 0; p < 4; ++p) b[p] = hfma2(prmt(h[2 * p], h[2 * p + 1], 0x5410), 0x1EEE1EEEu, 0xC931C931u);
+        for (int p = 0; p < 4; ++p) b[p] = hfma2(b[p], 0x1EEE1EEEu, 0xC931C931u);
     }
     else
     {

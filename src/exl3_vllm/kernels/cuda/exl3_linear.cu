@@ -188,8 +188,10 @@ EXL3_INLINE int ring_next(const LOAD& load, int s, int nstages)
 }
 
 // mul1 as integers: w = mul1_scale * bytesum(state * mult) + mul1_offset, so x.w is an int8 x u8 MMA over the bytes.
+// h8 / h16: w = mul1_scale * (1024 + bytesum) + mul1_add, the fp16 fma of states_to_frag before its rounding.
 EXL3_INLINE float mul1_scale() { return h2f(0x1EEE); }
-EXL3_INLINE float mul1_offset() { return 1024.f * h2f(0x1EEE) + h2f(0xC931); }
+EXL3_INLINE float mul1_add() { return h2f(0xC931); }
+EXL3_INLINE float mul1_offset() { return 1024.f * mul1_scale() + mul1_add(); }
 
 EXL3_INLINE void mma_16832_s8u8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
 {
@@ -418,6 +420,9 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     static_assert(MODE != 3 || (BM == 8 || BM == 16), "h8 / h16: 8 rows of x per MMA n");
     static_assert(!FX || MODE == 3, "only h8 / h16 transform their own x");
     static_assert(!FX || KS % 8 == 0, "x is transformed in 128-column chunks, whole ones per stage");
+    // h8 / h16 mul1: the MMAs take 1024 + bytesum per weight and w = scale * v + offset is applied to their sums (with
+    // x's row sums from one more MMA against ones per step): one FMA-pipe instruction less per weight pair.
+    constexpr bool SUMS = MODE == 3 && CB == 2;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
@@ -460,6 +465,11 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         for (int j = 0; j < 2 * NT; ++j)
             #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+    float xsum[SUMS ? MT : 1][4];  // SUMS: each x row's sum over this warp's k
+    #pragma unroll
+    for (int nb = 0; nb < (SUMS ? MT : 1); ++nb)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) xsum[nb][e] = 0.f;
     int iacc[I8 ? 2 * NT : 1][4];
     #pragma unroll
     for (int j = 0; j < (I8 ? 2 * NT : 1); ++j)
@@ -525,6 +535,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                     // (the tensor cores add the halves: two MMAs per tile and 8 rows); mul1: one.
                     x0[nb] = prmt(xa[nb], 0u, 0x1010); x1[nb] = prmt(xa[nb], 0u, 0x3232);
                     x2[nb] = prmt(xb[nb], 0u, 0x1010); x3[nb] = prmt(xb[nb], 0u, 0x3232);
+                    if constexpr (SUMS)
+                        mma_16816_d(xsum[nb], {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u}, xa[nb], xb[nb]);
                 }
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
@@ -542,7 +554,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
 #ifdef EXL3_DIAG_NO_DECODE
                         b[0] = st[0]; b[1] = st[1]; b[2] = st[2]; b[3] = st[3];
 #else
-                        states_to_frag<CB>(st, b);
+                        if constexpr (SUMS) mul1_sums_to_frag(st, b);
+                        else states_to_frag<CB>(st, b);
 #endif
                         #pragma unroll
                         for (int nb = 0; nb < MT; ++nb)
@@ -613,6 +626,16 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     if constexpr (MODE == 3)
     {
         // acc[nb][nt]: x rows 8 nb + 2j, 8 nb + 2j + 1 (j = lane % 4) of output columns g and g + 8 of tile nt.
+        if constexpr (SUMS)
+        {
+            const float a = mul1_scale(), b = mul1_add();
+            #pragma unroll
+            for (int nb = 0; nb < MT; ++nb)
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[nb][nt][e] = acc[nb][nt][e] * a + xsum[nb][e] * b;
+        }
         float* red = (float*)smem;
         // Each k-warp writes its own slice (Tier.red_bytes); sum_slices adds them in k-warp order.
         #pragma unroll
