@@ -226,6 +226,9 @@ EXL3_INLINE u32 cb_halves(u32 st)
     return and_xor(v, 0x8FFF8FFFu, 0x3B603B60u);
 }
 
+// mul1's last step, w = scale * v + add on v = 1024 + bytesum(state * mult): its fp16 constants.
+constexpr u16 MUL1_SCALE = 0x1EEE, MUL1_ADD = 0xC931;
+
 // mul1 before its fp16 affine step: fp16 pairs of the exact integers 1024 + bytesum(state * mult).
 EXL3_INLINE void mul1_sums_to_frag(const u32 (&st)[8], u32 (&b)[4])
 {
@@ -244,7 +247,7 @@ EXL3_INLINE void states_to_frag(const u32 (&st)[8], u32 (&b)[4])
     {
         mul1_sums_to_frag(st, b);
         #pragma unroll
-        for (int p = 0; p < 4; ++p) b[p] = hfma2(b[p], 0x1EEE1EEEu, 0xC931C931u);
+        for (int p = 0; p < 4; ++p) b[p] = hfma2(b[p], MUL1_SCALE * 0x10001u, MUL1_ADD * 0x10001u);
     }
     else
     {

@@ -189,8 +189,8 @@ EXL3_INLINE int ring_next(const LOAD& load, int s, int nstages)
 
 // mul1 as integers: w = mul1_scale * bytesum(state * mult) + mul1_offset, so x.w is an int8 x u8 MMA over the bytes.
 // h8 / h16: w = mul1_scale * (1024 + bytesum) + mul1_add, the fp16 fma of states_to_frag before its rounding.
-EXL3_INLINE float mul1_scale() { return h2f(0x1EEE); }
-EXL3_INLINE float mul1_add() { return h2f(0xC931); }
+EXL3_INLINE float mul1_scale() { return h2f(MUL1_SCALE); }
+EXL3_INLINE float mul1_add() { return h2f(MUL1_ADD); }
 EXL3_INLINE float mul1_offset() { return 1024.f * mul1_scale() + mul1_add(); }
 
 EXL3_INLINE void mma_16832_s8u8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
@@ -420,7 +420,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     static_assert(MODE != 3 || (BM == 8 || BM == 16), "h8 / h16: 8 rows of x per MMA n");
     static_assert(!FX || MODE == 3, "only h8 / h16 transform their own x");
     static_assert(!FX || KS % 8 == 0, "x is transformed in 128-column chunks, whole ones per stage");
-    // h8 / h16 mul1: the MMAs take 1024 + bytesum per weight and w = scale * v + offset is applied to their sums (with
+    // h8 / h16 mul1: the MMAs take 1024 + bytesum per weight and w = scale * v + add is applied to their sums (with
     // x's row sums from one more MMA against ones per step): one FMA-pipe instruction less per weight pair.
     constexpr bool SUMS = MODE == 3 && CB == 2;
 
