@@ -54,6 +54,25 @@ def find_nvdisasm() -> str:
     raise SystemExit("nvdisasm not found: pip install nvidia-cuda-nvdisasm, or set NVDISASM to its path")
 
 
+def disassemble(bits: float, codebook: int, arch: int = 90, defines: str = "") -> tuple[dict, dict]:
+    """The linear module of (bits, codebook) for sm_<arch>, through the package's NVRTC path and cache, with extra
+    defines "NAME=V,.." (EXL3_VLLM_EXTRA_DEFINES' syntax): ({kernel: SASS lines}, {kernel: (registers, spill bytes)})."""
+    saved = os.environ.get("EXL3_VLLM_EXTRA_DEFINES")
+    os.environ["EXL3_VLLM_EXTRA_DEFINES"] = defines
+    try:
+        comp = nvrtc.compile_source(LINEAR_SOURCE, arch, linear_defines(bits, codebook))
+    finally:
+        if saved is None:
+            del os.environ["EXL3_VLLM_EXTRA_DEFINES"]
+        else:
+            os.environ["EXL3_VLLM_EXTRA_DEFINES"] = saved
+    with tempfile.TemporaryDirectory() as td:
+        path = os.path.join(td, "m.cubin")
+        Path(path).write_bytes(comp.cubin)
+        sass = subprocess.run([find_nvdisasm(), "-c", path], check=True, capture_output=True, text=True).stdout
+    return functions(sass), {k.name: (k.registers, k.spill_stores) for k in comp.kernels()}
+
+
 def functions(sass: str) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     cur = None
@@ -158,17 +177,7 @@ def main(argv=None) -> int:
     if cb is None:
         cb = int(args.cb)
     bits = int(args.bits) if args.bits == int(args.bits) else args.bits
-    defines = linear_defines(bits, cb)
-    for item in filter(None, args.defines.split(",")):
-        k, _, v = item.partition("=")
-        defines[k] = int(v or 1)
-    comp = nvrtc.compile_source(LINEAR_SOURCE, args.arch, defines)
-    regs = {k.name: (k.registers, k.spill_stores) for k in comp.kernels()}
-    with tempfile.TemporaryDirectory() as td:
-        path = os.path.join(td, "m.cubin")
-        Path(path).write_bytes(comp.cubin)
-        sass = subprocess.run([find_nvdisasm(), "-c", path], check=True, capture_output=True, text=True).stdout
-    funcs = functions(sass)
+    funcs, regs = disassemble(bits, cb, args.arch, args.defines)
     print(f"K={bits} {CODEBOOKS[cb]} sm_{args.arch} defines={args.defines or '-'}")
     print("| kernel | regs | spill B | tiles/iter | instr/tile | ALU | FMA-heavy | FMA-lite | mem | tensor | "
           "est. clk/tile (bound) | top opcodes per tile |")

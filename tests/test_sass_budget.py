@@ -45,18 +45,7 @@ def _nvrtc_ok() -> bool:
 def _disassemble(job):
     cb, cache = job
     os.environ["EXL3_VLLM_CACHE_DIR"] = cache
-    import subprocess
-    import tempfile
-
-    from exl3_vllm.kernels import nvrtc
-    from exl3_vllm.kernels.variants import LINEAR_SOURCE, linear_defines
-    c = nvrtc.compile_source(LINEAR_SOURCE, 90, linear_defines(4, cb))
-    with tempfile.TemporaryDirectory() as td:
-        path = os.path.join(td, "m.cubin")
-        with open(path, "wb") as f:
-            f.write(c.cubin)
-        out = subprocess.run([sass_mix.find_nvdisasm(), "-c", path], check=True, capture_output=True, text=True)
-    return cb, sass_mix.functions(out.stdout)
+    return cb, sass_mix.disassemble(4, cb)[0]
 
 
 @pytest.fixture(scope="module")
