@@ -20,9 +20,7 @@ EXL3_INLINE u32 probe_decode(const u32* sw, int it, int warp, const LaneMap<KA, 
     u32 w[TL::NW];
     #pragma unroll
     for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
-    u32 st[8];
-    lane_states<KA, HALF>(w, lm.off, st);
-    states_to_frag<CB>(st, b);
+    words_to_frag<KA, HALF, CB>(w, lm.off, b);
     return hadd2(hadd2(b[0], b[1]), hadd2(b[2], b[3]));
 }
 

@@ -78,6 +78,14 @@ EXL3_INLINE u32 hfma2(u32 a, u32 b, u32 c) { u32 r; asm("fma.rn.f16x2 %0, %1, %2
 // (a & b) ^ c in one LOP3 (immLut = (0xF0 & 0xCC) ^ 0xAA); written plainly, ptxas emits an AND and an XOR.
 EXL3_INLINE u32 and_xor(u32 a, u32 b, u32 c) { u32 r; asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r; }
 EXL3_INLINE u32 hadd2(u32 a, u32 b) { u32 r; asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+// (lo + hi, lo + hi) of an fp16 pair: ptxas folds the half broadcasts into HADD2's operand selectors.
+EXL3_INLINE u32 hsum_halves(u32 x)
+{
+    u32 r;
+    asm("{ .reg .b16 l, h; .reg .b32 a, c; mov.b32 {l, h}, %1; mov.b32 a, {l, l}; mov.b32 c, {h, h}; add.rn.f16x2 %0, a, c; }"
+        : "=r"(r) : "r"(x));
+    return r;
+}
 EXL3_INLINE u32 hmul2(u32 a, u32 b) { u32 r; asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
 
 EXL3_INLINE float4 ld_cg4(const float* p)
@@ -218,43 +226,110 @@ EXL3_INLINE void lane_states(const u32 (&w)[Tile<KA, HALF>::NW], u32 off, u32 (&
     }
 }
 
-// 3inst / mcg: a state's weight is the sum of the two fp16 halves of this word.
-template <int CB>
-EXL3_INLINE u32 cb_halves(u32 st)
+EXL3_INLINE u32 mulhi_u(u32 a, u32 b) { u32 r; asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
+EXL3_INLINE u32 mad_lo(u32 a, u32 b, u32 c) { u32 r; asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r; }
+
+// st * MULT + ADD (mod 2^32) of this lane's 8 states, cut on the FMA pipe where a view's top half is cut anyway:
+// top = view / 2^16 (IMAD.HI), bottom * MULT = view * MULT - top * (MULT * 2^16), instead of SHF / LOP3 on the ALU.
+template <int KA, bool HALF, u32 MULT, u32 ADD>
+EXL3_INLINE void lane_products(const u32 (&w)[Tile<KA, HALF>::NW], u32 off, u32 (&pr)[8])
 {
-    const u32 v = CB == 0 ? st * 89226354u + 64248484u : st * 0xCBAC1FEDu;
-    return and_xor(v, 0x8FFF8FFFu, 0x3B603B60u);
+    typedef StatePlan<KA, HALF> SP;
+    constexpr int NW = Tile<KA, HALF>::NW;
+    constexpr typename SP::P P = SP::make();
+    u32 x[NW];
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) x[i] = SP::RAW ? w[i] : funnel_l(i + 1 < NW ? w[i + 1] : 0u, w[i], off);
+    u32 view[P.nv], top[P.nv];
+    #pragma unroll
+    for (int iv = 0; iv < P.nv; ++iv)
+    {
+        const int c = P.vc[iv], i = c >> 5, r = c & 31;
+        view[iv] = r == 0 ? x[i] : funnel_l(i + 1 < NW ? x[i + 1 < NW ? i + 1 : i] : 0u, x[i], r);
+        top[iv] = mulhi_u(view[iv], 0x10000u);
+    }
+    #pragma unroll
+    for (int q = 0; q < 8; ++q)
+    {
+        const int d = P.fd[q], f = P.fv[q];
+        bool has_top = false;
+        #pragma unroll
+        for (int q2 = 0; q2 < 8; ++q2) has_top |= P.fv[q2] == f && P.fd[q2] == 0;
+        if (d == 0) pr[q] = mad_lo(top[f], MULT, ADD);
+        else if (d == 16 && has_top) pr[q] = mad_lo(top[f], 0u - (MULT << 16), mad_lo(view[f], MULT, ADD));
+        else pr[q] = mad_lo(d == 16 ? view[f] & 0xffffu : prmt(view[f], 0u, 0x4421), MULT, ADD);
+    }
 }
+
+// The codebooks' state hash: 3inst v = st * 89226354 + 64248484, mcg v = st * 0xCBAC1FED, mul1 v = st * 0x83DCD12D.
+template <int CB> constexpr u32 CB_MULT = CB == 0 ? 89226354u : CB == 1 ? 0xCBAC1FEDu : 0x83DCD12Du;
+template <int CB> constexpr u32 CB_ADD = CB == 0 ? 64248484u : 0u;
+// 3inst / mcg: a state's weight is the sum of the two fp16 halves of this word, from its hash v.
+EXL3_INLINE u32 cb_halves_of(u32 v) { return and_xor(v, 0x8FFF8FFFu, 0x3B603B60u); }
 
 // mul1's last step, w = scale * v + add on v = 1024 + bytesum(state * mult): its fp16 constants.
 constexpr u16 MUL1_SCALE = 0x1EEE, MUL1_ADD = 0xC931;
 
-// mul1 before its fp16 affine step: fp16 pairs of the exact integers 1024 + bytesum(state * mult).
+// mul1 before its fp16 affine step: the exact integer 1024 + bytesum(state * mult) as fp16, upper half zero.
+EXL3_INLINE u32 mul1_sum(u32 st) { return dp4a_u(st * CB_MULT<2>, 0x01010101u, 0x6400u); }
+
+// The same for a lane's 8 states as fp16 pairs (two m16n8k16 B fragments).
 EXL3_INLINE void mul1_sums_to_frag(const u32 (&st)[8], u32 (&b)[4])
 {
     u32 h[8];
     #pragma unroll
-    for (int q = 0; q < 8; ++q) h[q] = dp4a_u(st[q] * 0x83DCD12Du, 0x01010101u, 0x6400u);
+    for (int q = 0; q < 8; ++q) h[q] = mul1_sum(st[q]);
     #pragma unroll
     for (int p = 0; p < 4; ++p) b[p] = prmt(h[2 * p], h[2 * p + 1], 0x5410);
 }
 
-// Codebook: states -> packed fp16 pairs (v0,v1),(v2,v3),(v4,v5),(v6,v7) = two m16n8k16 B fragments.
-template <int CB>
-EXL3_INLINE void states_to_frag(const u32 (&st)[8], u32 (&b)[4])
+// mul1: states -> packed fp16 pairs (w0,w1),(w2,w3),(w4,w5),(w6,w7) = two m16n8k16 B fragments.
+EXL3_INLINE void mul1_states_to_frag(const u32 (&st)[8], u32 (&b)[4])
+{
+    mul1_sums_to_frag(st, b);
+    #pragma unroll
+    for (int p = 0; p < 4; ++p) b[p] = hfma2(b[p], MUL1_SCALE * 0x10001u, MUL1_ADD * 0x10001u);
+}
+
+// 3inst / mcg: this lane's 8 words of fp16 halves (a weight is the sum of its word's two) from its tile words.
+// CUT: the windows cut on the FMA pipe (lane_products); faster where the decode alone is ALU-bound (the decode-only
+// pass), slower in the GEMM loops (bench/results/2026-12-05a), so those keep the ALU cuts.
+template <int KA, bool HALF, int CB, bool CUT = false>
+EXL3_INLINE void words_to_halves(const u32 (&w)[Tile<KA, HALF>::NW], u32 off, u32 (&h)[8])
+{
+    if constexpr (CUT)
+        lane_products<KA, HALF, CB_MULT<CB>, CB_ADD<CB>>(w, off, h);
+    else
+    {
+        lane_states<KA, HALF>(w, off, h);
+        #pragma unroll
+        for (int q = 0; q < 8; ++q) h[q] = h[q] * CB_MULT<CB> + CB_ADD<CB>;
+    }
+    #pragma unroll
+    for (int q = 0; q < 8; ++q) h[q] = cb_halves_of(h[q]);
+}
+
+// This lane's two m16n8k16 B fragments of a tile from its words: fp16 pairs (w0,w1),(w2,w3),(w4,w5),(w6,w7).
+template <int KA, bool HALF, int CB, bool CUT = false>
+EXL3_INLINE void words_to_frag(const u32 (&w)[Tile<KA, HALF>::NW], u32 off, u32 (&b)[4])
 {
     if constexpr (CB == 2)
     {
-        mul1_sums_to_frag(st, b);
-        #pragma unroll
-        for (int p = 0; p < 4; ++p) b[p] = hfma2(b[p], MUL1_SCALE * 0x10001u, MUL1_ADD * 0x10001u);
+        u32 st[8];
+        lane_states<KA, HALF>(w, off, st);
+        mul1_states_to_frag(st, b);
     }
     else
     {
-        u32 x[8];
+        u32 h[8];
+        words_to_halves<KA, HALF, CB, CUT>(w, off, h);
         #pragma unroll
-        for (int q = 0; q < 8; ++q) x[q] = cb_halves<CB>(st[q]);
-        #pragma unroll
-        for (int p = 0; p < 4; ++p) b[p] = hadd2(prmt(x[2 * p], x[2 * p + 1], 0x5410), prmt(x[2 * p], x[2 * p + 1], 0x7632));
+        for (int p = 0; p < 4; ++p)
+        {
+            if constexpr (CUT)  // each word's halves summed by HADD2's operand selectors, then paired: one ALU op
+                b[p] = prmt(hsum_halves(h[2 * p]), hsum_halves(h[2 * p + 1]), 0x5410);
+            else
+                b[p] = hadd2(prmt(h[2 * p], h[2 * p + 1], 0x5410), prmt(h[2 * p], h[2 * p + 1], 0x7632));
+        }
     }
 }

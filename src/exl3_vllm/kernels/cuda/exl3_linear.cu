@@ -188,7 +188,7 @@ EXL3_INLINE int ring_next(const LOAD& load, int s, int nstages)
 }
 
 // mul1 as integers: w = mul1_scale * bytesum(state * mult) + mul1_offset, so x.w is an int8 x u8 MMA over the bytes.
-// h8 / h16: w = mul1_scale * (1024 + bytesum) + mul1_add, the fp16 fma of states_to_frag before its rounding.
+// h8 / h16: w = mul1_scale * (1024 + bytesum) + mul1_add, the fp16 fma of mul1_states_to_frag before its rounding.
 EXL3_INLINE float mul1_scale() { return h2f(MUL1_SCALE); }
 EXL3_INLINE float mul1_add() { return h2f(MUL1_ADD); }
 EXL3_INLINE float mul1_offset() { return 1024.f * mul1_scale() + mul1_add(); }
@@ -338,6 +338,32 @@ EXL3_INLINE void tile_states(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&s
     for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
     lane_states<KA, HALF>(w, lm.off, st);
 }
+// This lane's two B fragments of the tile whose words start at tw (shared memory).
+EXL3_INLINE void tile_frag(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&b)[4])
+{
+    u32 w[TL::NW];
+    #pragma unroll
+    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+    words_to_frag<KA, HALF, CB>(w, lm.off, b);
+}
+// mul1: this lane's 8 state products (the bytes the int8 tiers multiply) of the tile whose words start at tw.
+EXL3_INLINE void tile_products(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&pr)[8])
+{
+    u32 w[TL::NW];
+    #pragma unroll
+    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+    lane_states<KA, HALF>(w, lm.off, pr);
+    #pragma unroll
+    for (int q = 0; q < 8; ++q) pr[q] *= CB_MULT<2>;
+}
+// 3inst / mcg: this lane's 8 words of fp16 halves (summed by the MMA) of the tile whose words start at tw.
+EXL3_INLINE void tile_halves(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&h)[8])
+{
+    u32 w[TL::NW];
+    #pragma unroll
+    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+    words_to_halves<KA, HALF, CB>(w, lm.off, h);
+}
 
 // The h8 / h16 "fx" kernels' prologue: rows x nst 128-column chunks of x from k column kcol on, times shard suh and
 // through the Hadamard-128, as fp16 rows of ld halves at sx (one warp per chunk, 4 chunks' loads in flight per warp);
@@ -423,6 +449,10 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     // h8 / h16 mul1: the MMAs take 1024 + bytesum per weight and w = scale * v + add is applied to their sums (with
     // x's row sums from one more MMA against ones per step): one FMA-pipe instruction less per weight pair.
     constexpr bool SUMS = MODE == 3 && CB == 2;
+    // h8 mul1 at K = 8: one MMA per state parity instead of packing the sums into fp16 pairs (4 PRMT fewer per tile,
+    // one MMA more per tile and 8 rows); measured faster at K = 8 and slower at K = 4 (bench/results/2026-12-05a), and
+    // h16 would pay two more MMAs for the same saving.
+    constexpr bool ZHI = SUMS && MT == 1 && KA == 8;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
@@ -452,7 +482,13 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
         else if constexpr (I8)
         {
             const char* xq = (const char*)p.xh + ((size_t)(shard * p.mblocks + mb) * (p.k >> 4) + step0 + s * KS) * 256;
-            for (int c = tid; c < KS * 16; c += THREADS) cp_async16(adst + c * 16, xq + c * 16, 16);
+            // A fixed count per thread, unrolled (a runtime loop here took more instructions per stage than its copies).
+            #pragma unroll
+            for (int j = 0; j < (KS * 16 + THREADS - 1) / THREADS; ++j)
+            {
+                const int c = tid + j * THREADS;
+                if ((KS * 16) % THREADS == 0 || c < KS * 16) cp_async16(adst + c * 16, xq + c * 16, 16);
+            }
         }
         else xcopy.issue(adst, A + kcol);
     };
@@ -511,9 +547,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 for (int nt = 0; nt < NT; ++nt)
                 {
                     u32 st[8];
-                    tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
-                    #pragma unroll
-                    for (int q = 0; q < 8; ++q) st[q] *= 0x83DCD12Du;
+                    tile_products(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
                     mma_16832_u8s8(iacc[nt], st[0], st[4], st[1], st[5], x0, x1);
                     mma_16832_u8s8(iacc[nt], st[2], st[6], st[3], st[7], x2, x3);
                 }
@@ -541,21 +575,37 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
                 {
-                    u32 st[8];
-#ifdef EXL3_DIAG_NO_DECODE  // bound analysis only (wrong results): the tile's raw words instead of its states
-                    #pragma unroll
-                    for (int q = 0; q < 8; ++q) st[q] = bB[i * B_STEP + (nw * NT + nt) * W32 + lm.idx[q % NW]];
-#else
-                    tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
-#endif
+                    const u32* tw = bB + i * B_STEP + (nw * NT + nt) * W32;
                     if constexpr (CB == 2)
                     {
+                        u32 st[8];
+#ifdef EXL3_DIAG_NO_DECODE  // bound analysis only (wrong results): the tile's raw words instead of its states
+                        #pragma unroll
+                        for (int q = 0; q < 8; ++q) st[q] = tw[lm.idx[q % NW]];
+#else
+                        tile_states(tw, lm, st);
+#endif
+                        if constexpr (ZHI)
+                        {
+                            // Each 1024 + bytesum alone in its word (upper half zero): the even-k states against x as
+                            // loaded, the odd-k ones against x's odd elements repeated; no packing in the decode.
+                            u32 h[8];
+                            #pragma unroll
+                            for (int q = 0; q < 8; ++q) h[q] = mul1_sum(st[q]);
+                            #pragma unroll
+                            for (int nb = 0; nb < MT; ++nb)
+                            {
+                                mma_16816_d(acc[nb][nt], {h[0], h[4], h[2], h[6]}, xa[nb], xb[nb]);
+                                mma_16816_d(acc[nb][nt], {h[1], h[5], h[3], h[7]}, x1[nb], x3[nb]);
+                            }
+                            continue;
+                        }
                         u32 b[4];
 #ifdef EXL3_DIAG_NO_DECODE
                         b[0] = st[0]; b[1] = st[1]; b[2] = st[2]; b[3] = st[3];
 #else
                         if constexpr (SUMS) mul1_sums_to_frag(st, b);
-                        else states_to_frag<CB>(st, b);
+                        else mul1_states_to_frag(st, b);
 #endif
                         #pragma unroll
                         for (int nb = 0; nb < MT; ++nb)
@@ -564,11 +614,11 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                     else
                     {
                         u32 h[8];
-                        #pragma unroll
 #ifdef EXL3_DIAG_NO_DECODE
-                        for (int q = 0; q < 8; ++q) h[q] = st[q];
+                        #pragma unroll
+                        for (int q = 0; q < 8; ++q) h[q] = tw[lm.idx[q % NW]];
 #else
-                        for (int q = 0; q < 8; ++q) h[q] = cb_halves<CB>(st[q]);
+                        tile_halves(tw, lm, h);
 #endif
                         #pragma unroll
                         for (int nb = 0; nb < MT; ++nb)
@@ -592,9 +642,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                 for (int nt = 0; nt < NT; ++nt)
                 {
                     u32 st[8];
-                    tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
-                    #pragma unroll
-                    for (int q = 0; q < 8; ++q) st[q] *= 0x83DCD12Du;
+                    tile_products(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
                     mma_16832_s8u8(iacc[2 * nt], a0, st[0], st[1]);
                     mma_16832_s8u8(iacc[2 * nt], a8, st[2], st[3]);
                     mma_16832_s8u8(iacc[2 * nt + 1], a0, st[4], st[5]);
@@ -609,9 +657,8 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
             {
-                u32 st[8], b[4];
-                tile_states(bB + i * B_STEP + (nw * NT + nt) * W32, lm, st);
-                states_to_frag<CB>(st, b);
+                u32 b[4];
+                tile_frag(bB + i * B_STEP + (nw * NT + nt) * W32, lm, b);
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
                 {
@@ -822,9 +869,8 @@ __device__ __forceinline__ void wg_segment(const GemmArgs& p, const u32* trellis
             u32 wn[NW];
             #pragma unroll
             for (int q = 0; q < NW; ++q) wn[q] = bB[min(i + 1, KS - 1) * B_STEP + lm.idx[q]];
-            u32 st[8], b[4];
-            lane_states<KA, HALF>(w, lm.off, st);
-            states_to_frag<CB>(st, b);
+            u32 b[4];
+            words_to_frag<KA, HALF, CB>(w, lm.off, b);
             // The m16n8k16 B fragments of tile (k, n) are the A fragment of its transpose, registers reordered.
             const u32 a[4] = {b[0], b[2], b[1], b[3]};
             wgmma_fence();
@@ -959,6 +1005,9 @@ struct WsShape
     // Halves read each A tile once into registers (ldmatrix) for both, instead of once per half from shared memory,
     // whose pipe bounds these tiers.
     static constexpr bool HALVES = LAUNCH_REGS < BN / 2 + 32;
+    // Tile (k16 step u / 8, column tile u % 8) = rows 16 (u % 4).. of consumer (u / 4) % 2's operand.
+    EXL3_INLINE static constexpr u32 a_off(int u) { return (u >> 3) * A_STEP + ((u >> 2) & 1) * 2048 + (u & 3) * 512; }
+    static_assert(NPW == 4 || NPW == 8, "a_off splits over pw and j only for 4 or 8 producer warps");
     static_assert(PREG == 0 || (PREG % 8 == 0 && PREG >= 24 && PREG < LAUNCH_REGS && CREG > LAUNCH_REGS),
                   "a rebalance gives the consumers more than the launch's share");
     static_assert((8 * KS) % NPW == 0, "whole tiles per producer warp");
@@ -1086,6 +1135,8 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
         lm.init(lane);
         // Lane's row address inside a tile's four 8x8 matrices (stmatrix): matrix j = (row group j & 1, k half j >> 1).
         const u32 lane_off = ((lane >> 3) & 1) * 256 + (lane >> 4) * 128 + (lane & 7) * 16;
+        // Tile u = pw + NPW * j sits at a_off(pw) + a_off(NPW * j): the second part is a constant per unrolled j.
+        const u32 warp_a = SH::a_off(pw);
         // This lane's 16-byte trellis chunks of a stage: chunk c = lane + 32 t is word 4 (c % CH) of tile c / CH.
         constexpr int CH = W32 / 4;
         constexpr int NCH = (SH::UPW * CH + 31) / 32;
@@ -1145,7 +1196,7 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 cp_async_wait<STAGES - 1>();
                 __syncwarp();
                 const u32* tb = trp + buf * SH::T_STAGE;
-                const u32 adst = sa + buf * SH::A_STAGE + lane_off;
+                const u32 adst = sa + buf * SH::A_STAGE + lane_off + warp_a;
                 u32 w[NW];
                 #pragma unroll
                 for (int q = 0; q < NW; ++q) w[q] = tb[lm.idx[q]];
@@ -1155,17 +1206,14 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
 #ifdef EXL3_DIAG_NO_DECODE
                     break;  // bound analysis only (wrong results): the pipeline without the decode
 #endif
-                    const int u = pw + SH::NPW * j;
                     // The next tile's words now: loads cannot move past stmatrix (an asm with a memory clobber), so
                     // without this every tile would wait out a shared-memory load latency.
                     u32 wn[NW];
                     #pragma unroll
                     for (int q = 0; q < NW; ++q) wn[q] = j + 1 < SH::UPW ? tb[(j + 1) * W32 + lm.idx[q]] : 0u;
-                    u32 st[8], b[4];
-                    lane_states<KA, HALF>(w, lm.off, st);
-                    states_to_frag<CB>(st, b);
-                    // Tile (k16 step u / 8, column tile u % 8) = rows 16 (u % 4).. of consumer (u / 4) % 2's operand.
-                    stmatrix_x4(adst + (u >> 3) * SH::A_STEP + ((u >> 2) & 1) * 2048 + (u & 3) * 512, b[0], b[2], b[1], b[3]);
+                    u32 b[4];
+                    words_to_frag<KA, HALF, CB>(w, lm.off, b);
+                    stmatrix_x4(adst + SH::a_off(SH::NPW * j), b[0], b[2], b[1], b[3]);
                     #pragma unroll
                     for (int q = 0; q < NW; ++q) w[q] = wn[q];
                 }
@@ -1414,9 +1462,8 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
             if (j + AHEAD < 8)
                 #pragma unroll
                 for (int q = 0; q < TL::NW; ++q) wr[j + AHEAD][q] = __ldg(tw + (j + AHEAD) * tile_row + lm.idx[q]);
-            u32 st[8], b[4];
-            lane_states<KA, HALF>(wr[j], lm.off, st);
-            states_to_frag<CB>(st, b);
+            u32 b[4];
+            words_to_frag<KA, HALF, CB>(wr[j], lm.off, b);
             float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
             mma_16816(d[0], ha, b[0], b[1]);  // H16 . tile (exact: 16 fp16 terms in fp32)
             mma_16816(d[1], ha, b[2], b[3]);
@@ -1510,9 +1557,8 @@ extern "C" __global__ void __launch_bounds__(256) exl3_decode_sum(const u32* __r
         u32 w[TL::NW];
         #pragma unroll
         for (int q = 0; q < TL::NW; ++q) w[q] = __ldg(tw + lm.idx[q]);
-        u32 st[8], b[4];
-        lane_states<KA, HALF>(w, lm.off, st);
-        states_to_frag<CB>(st, b);
+        u32 b[4];
+        words_to_frag<KA, HALF, CB, true>(w, lm.off, b);
         accx = hadd2(accx, hadd2(hadd2(b[0], b[1]), hadd2(b[2], b[3])));
     }
     sink[(size_t)blockIdx.x * blockDim.x + threadIdx.x] = accx;
