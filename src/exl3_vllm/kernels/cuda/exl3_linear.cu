@@ -330,38 +330,38 @@ EXL3_INLINE void mma_16816_d(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
 #endif
 }
 
-// This lane's 8 states of the tile whose words start at tw (shared memory).
+// This lane's words of the tile whose words start at tw (shared memory).
+EXL3_INLINE void tile_words(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&w)[TL::NW])
+{
+    #pragma unroll
+    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+}
+// This lane's 8 states of the tile at tw.
 EXL3_INLINE void tile_states(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&st)[8])
 {
     u32 w[TL::NW];
-    #pragma unroll
-    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+    tile_words(tw, lm, w);
     lane_states<KA, HALF>(w, lm.off, st);
 }
-// This lane's two B fragments of the tile whose words start at tw (shared memory).
+// This lane's two B fragments of the tile at tw.
 EXL3_INLINE void tile_frag(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&b)[4])
 {
     u32 w[TL::NW];
-    #pragma unroll
-    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+    tile_words(tw, lm, w);
     words_to_frag<KA, HALF, CB>(w, lm.off, b);
 }
-// mul1: this lane's 8 state products (the bytes the int8 tiers multiply) of the tile whose words start at tw.
+// mul1: this lane's 8 state products (the bytes the int8 tiers multiply) of the tile at tw.
 EXL3_INLINE void tile_products(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&pr)[8])
 {
-    u32 w[TL::NW];
-    #pragma unroll
-    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
-    lane_states<KA, HALF>(w, lm.off, pr);
+    tile_states(tw, lm, pr);
     #pragma unroll
     for (int q = 0; q < 8; ++q) pr[q] *= CB_MULT<2>;
 }
-// 3inst / mcg: this lane's 8 words of fp16 halves (summed by the MMA) of the tile whose words start at tw.
+// 3inst / mcg: this lane's 8 words of fp16 halves (summed by the MMA) of the tile at tw.
 EXL3_INLINE void tile_halves(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&h)[8])
 {
     u32 w[TL::NW];
-    #pragma unroll
-    for (int q = 0; q < TL::NW; ++q) w[q] = tw[lm.idx[q]];
+    tile_words(tw, lm, w);
     words_to_halves<KA, HALF, CB>(w, lm.off, h);
 }
 
