@@ -449,10 +449,10 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     // h8 / h16 mul1: the MMAs take 1024 + bytesum per weight and w = scale * v + add is applied to their sums (with
     // x's row sums from one more MMA against ones per step): one FMA-pipe instruction less per weight pair.
     constexpr bool SUMS = MODE == 3 && CB == 2;
-    // h8 mul1 at K = 8: one MMA per state parity instead of packing the sums into fp16 pairs (4 PRMT fewer per tile,
-    // one MMA more per tile and 8 rows); measured faster at K = 8 and slower at K = 4 (bench/results/2026-12-05a), and
-    // h16 would pay two more MMAs for the same saving.
-    constexpr bool ZHI = SUMS && MT == 1 && KA == 8;
+    // h8 mul1 at K >= 6: one MMA per state parity instead of packing the sums into fp16 pairs (4 PRMT fewer per tile,
+    // one MMA more per tile and 8 rows); measured faster at K = 6..8 and slower at K = 4 / 5 (bench/results/2026-12-05a,
+    // 2026-12-05c), and h16 would pay two more MMAs for the same saving.
+    constexpr bool ZHI = SUMS && MT == 1 && KA >= 6;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nw = warp % NWN, kw = warp / NWN;
