@@ -473,7 +473,9 @@ def launch_recon(d, lin, stream, trellis, suh_s, svh, wt, n_total, c0, cols, k):
     """wt[cols, k] = the dense weight W[:, c0:c0+cols] transposed, in wt's dtype (suh_s: the shard's suh)."""
     units = (cols // 128) * (k // 128)
     name = "exl3_recon_bf16" if wt.dtype == torch.bfloat16 else "exl3_recon_f16"
-    nvrtc.launch(lin.function(name, RECON_SMEM), (min(units, d.sms * 8), 1, 1), (256, 1, 1), RECON_SMEM, stream,
+    # At least two units per block on small layers: a block loads its next unit while it finishes the current one.
+    grid = min(units, d.sms * 8, max(d.sms * 2, units // 2))
+    nvrtc.launch(lin.function(name, RECON_SMEM), (grid, 1, 1), (256, 1, 1), RECON_SMEM, stream,
                  [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_uint64(suh_s.data_ptr()),
                   ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(wt.data_ptr()), ctypes.c_int32(n_total),
                   ctypes.c_int32(c0), ctypes.c_int32(cols), ctypes.c_int32(k)])

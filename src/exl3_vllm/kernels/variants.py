@@ -106,8 +106,9 @@ def for_k(tier: Tier, k: int) -> Tier:
 
 # The only arch whose build has the wg tiers (wgmma is Hopper's; NVRTC targets sm_90a there).
 WG_ARCH = 90
-# Dynamic shared memory of the large-M weight reconstruction (exl3_recon_*): a 128 x 128 fp32 unit, padded rows.
-RECON_SMEM = 128 * 132 * 4
+# Dynamic shared memory of the large-M weight reconstruction (exl3_recon_*): two buffers of a unit's 64 tiles of packed
+# fp16 fragments (16 bytes per lane).
+RECON_SMEM = 2 * 64 * 32 * 16
 # Rows the int8 tier takes at most (hi and lo parts fill the 16 MMA rows).
 INT8_MAX_M = 8
 
