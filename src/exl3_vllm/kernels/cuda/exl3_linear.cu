@@ -1394,6 +1394,12 @@ EXL3_INLINE u32 had16_pair(int i, int j0, int j1)  // fp16 (H16[i][j0], H16[i][j
 {
     return ((__popc(i & j0) & 1) ? 0xBC00u : 0x3C00u) | (((__popc(i & j1) & 1) ? 0xBC00u : 0x3C00u) << 16);
 }
+// H16's rows r0 (k or column g) and r1 (g + 8) as an m16n8k16 A fragment of lane column pair t.
+EXL3_INLINE void had16_a(int r0, int r1, int t, u32 (&a)[4])
+{
+    a[0] = had16_pair(r0, 2 * t, 2 * t + 1); a[1] = had16_pair(r1, 2 * t, 2 * t + 1);
+    a[2] = had16_pair(r0, 2 * t + 8, 2 * t + 9); a[3] = had16_pair(r1, 2 * t + 8, 2 * t + 9);
+}
 EXL3_INLINE u32 hsub2(u32 a, u32 b) { u32 r; asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r; }
 // The k (within the tile) that phase 1's mma row r computes: phase 2's lane t then gets rows 2t, 2t+1 (its low mma)
 // and 2t + 8, 2t + 9 (its high one) = k 4t .. 4t + 3.
@@ -1437,11 +1443,9 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
     LaneMap<KA, HALF> lm;
     lm.init(lane);
     // A operands (rows = output index, columns = the index summed over): phase 1's rows permuted by recon_row.
-    const int p0 = recon_row(g), p1 = recon_row(g + 8);
-    const u32 h1[4] = {had16_pair(p0, 2 * t, 2 * t + 1), had16_pair(p1, 2 * t, 2 * t + 1),
-                       had16_pair(p0, 2 * t + 8, 2 * t + 9), had16_pair(p1, 2 * t + 8, 2 * t + 9)};
-    const u32 h2[4] = {had16_pair(g, 2 * t, 2 * t + 1), had16_pair(g + 8, 2 * t, 2 * t + 1),
-                       had16_pair(g, 2 * t + 8, 2 * t + 9), had16_pair(g + 8, 2 * t + 8, 2 * t + 9)};
+    u32 h1[4], h2[4];
+    had16_a(recon_row(g), recon_row(g + 8), t, h1);
+    had16_a(g, g + 8, t, h2);
     const int kb = k >> 7, units = (cols >> 7) * kb;
     const int tile_row = (n_total >> 4) * TL::W32;  // words between k16 rows of tiles
     // The next unit's words load right after this unit's decode, so their latency hides behind both phases.
