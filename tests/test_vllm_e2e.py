@@ -22,12 +22,14 @@ from exl3_vllm.synth import synthesize  # noqa: E402
 
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w5 w600 w7 w8 w9 w10 w11", "w999 w3"]
 MAX_TOKENS = 16
-# Mixed per-module bits (fused shards share theirs), a half-integer K and a 6-bit head.
+# Mixed per-module bits, fused shards of different K and codebook (as exllamav3's allocator writes them), a
+# half-integer K and a 6-bit head.
 BITS_MAP = {
-    "model.layers.0.self_attn.[qkv]_proj": 3,
+    "model.layers.0.self_attn.q_proj": 3,
+    "model.layers.0.self_attn.[kv]_proj": 4,
     "model.layers.0.self_attn.o_proj": 2.5,
     "model.layers.0.mlp.gate_proj": 6,
-    "model.layers.0.mlp.up_proj": 6,
+    "model.layers.0.mlp.up_proj": {"bits": 5, "codebook": "mcg"},
     "model.layers.0.mlp.down_proj": 2,
     "model.layers.1.self_attn.[qkv]_proj": 8,
     "model.layers.1.self_attn.o_proj": 4,

@@ -33,24 +33,32 @@ def _tp_hint(width: int, tp: int) -> str:
     return f"tensor_parallel_size in {ok}" if ok else "tensor_parallel_size 1"
 
 
+def shard_groups(specs: list[Exl3Spec]) -> list[list[int]]:
+    """Runs of adjacent shards that share K and codebook: each run is one trellis and one kernel call."""
+    groups: list[list[int]] = []
+    for i, s in enumerate(specs):
+        if groups and (specs[groups[-1][0]].bits, specs[groups[-1][0]].codebook) == (s.bits, s.codebook):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class Exl3LinearMethod(LinearMethodBase):
-    """One (possibly fused) EXL3 linear; shards must share K and codebook."""
+    """One (possibly fused) EXL3 linear; shards of different K or codebook run as separate groups."""
 
     def __init__(self, config, prefix: str, specs: list[Exl3Spec]):
         self.config = config
         self.prefix = prefix
         self.specs = specs
-        first = specs[0]
-        for s in specs[1:]:
-            if s.bits != first.bits or s.codebook != first.codebook or s.legacy_signs != first.legacy_signs:
-                raise Exl3FormatError(
-                    f"vLLM fuses {[x.key for x in specs]} into one layer, but they are stored with different "
-                    f"bits/codebooks ({[(x.key, x.bits, x.codebook) for x in specs]})",
-                    file=config.checkpoint.path, tensor=prefix,
-                    fix="this version needs every shard of a fused layer at the same K and codebook")
-        self.bits, self.codebook = first.bits, first.codebook
-        self.width = first.tensors["trellis"].shape[2]
-        self.legacy = first.legacy_signs
+        if len({s.legacy_signs for s in specs}) > 1:
+            raise Exl3FormatError(
+                f"vLLM fuses {[x.key for x in specs]} into one layer, but only some of them store legacy su/sv "
+                "sign vectors", file=config.checkpoint.path, tensor=prefix,
+                fix="re-convert the model with one exllamav3 version")
+        self.groups = shard_groups(specs)
+        self.widths = [specs[g[0]].tensors["trellis"].shape[2] for g in self.groups]
+        self.legacy = specs[0].legacy_signs
 
     # ---- weights -----------------------------------------------------------------------------
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
@@ -106,18 +114,27 @@ class Exl3LinearMethod(LinearMethodBase):
                 raise self._shape_error(spec, f"k={spec.k}", f"{logical_k}")
         n_total = col
         nshard = len(self.specs)
-        params = {
-            "trellis": torch.empty(k_param // 16, n_total // 16, self.width, dtype=torch.int16),
-        }
+        k16 = k_param // 16
+        # Per group: (first shard, end shard, first column, end column, flat trellis offset, trellis shape).
+        layout, offset = [], 0
+        for g, width in zip(self.groups, self.widths):
+            c0, c1 = plan[g[0]][1], plan[g[-1]][1] + plan[g[-1]][2]
+            shape = (k16, (c1 - c0) // 16, width)
+            layout.append((g[0], g[-1] + 1, c0, c1, offset, shape))
+            offset += shape[0] * shape[1] * shape[2]
+        # One group keeps the plain 3-D trellis; several share one flat parameter (one checkpoint name, "trellis").
+        trellis_shape = layout[0][5] if len(layout) == 1 else (offset,)
+        params = {"trellis": torch.empty(*trellis_shape, dtype=torch.int16)}
         if self.legacy:
             params["su"] = torch.empty(nshard, k_param // 16, dtype=torch.int16)
             params["sv"] = torch.empty(n_total // 16, dtype=torch.int16)
         else:
             params["suh"] = torch.empty(nshard, k_param, dtype=torch.float16)
             params["svh"] = torch.empty(n_total, dtype=torch.float16)
-        if self.codebook != "3inst":
-            params[self.codebook] = torch.empty((), dtype=torch.int32)
+        for code in sorted({s.codebook for s in self.specs} - {"3inst"}):
+            params[code] = torch.empty((), dtype=torch.int32)
         layer.exl3_plan = plan
+        layer.exl3_layout = layout
         layer.exl3_kind = kind
         layer.exl3_k_start = k_start
         layer.exl3_logical_k = logical_k if kind != "row" else input_size_per_partition
@@ -126,6 +143,14 @@ class Exl3LinearMethod(LinearMethodBase):
             p = torch.nn.Parameter(data, requires_grad=False)
             set_weight_attrs(p, {"weight_loader": self._loader(layer, name)})
             layer.register_parameter(name, p)
+
+    @staticmethod
+    def _group_trellis(layer, g: int) -> torch.Tensor:
+        _, _, _, _, offset, shape = layer.exl3_layout[g]
+        t = layer.trellis.data
+        if t.dim() == 3:
+            return t
+        return t[offset:offset + shape[0] * shape[1] * shape[2]].view(shape)
 
     def _shape_error(self, spec: Exl3Spec, have: str, want: str) -> Exl3FormatError:
         return Exl3FormatError(f"{self.prefix}: the checkpoint's {spec.key} has {have} but vLLM's layer needs "
@@ -160,8 +185,11 @@ class Exl3LinearMethod(LinearMethodBase):
                 return
             k_rows = param.shape[1] if name in ("suh", "su") else param.shape[0]
             if name == "trellis":
-                w = w.narrow(0, k0 // 16, k_rows).narrow(1, src_start // 16, width // 16)
-                param.data[:, dst_col // 16:(dst_col + width) // 16].copy_(w)
+                g = next(i for i, lay in enumerate(layer.exl3_layout) if lay[0] <= s < lay[1])
+                dst = self._group_trellis(layer, g)
+                c = dst_col - layer.exl3_layout[g][2]
+                w = w.narrow(0, k0 // 16, dst.shape[0]).narrow(1, src_start // 16, width // 16)
+                dst[:, c // 16:(c + width) // 16].copy_(w)
             elif name in ("suh", "su"):
                 unit = 1 if name == "suh" else 16
                 param.data[s].copy_(w.narrow(0, k0 // unit, k_rows))
@@ -179,28 +207,36 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.register_parameter("suh", torch.nn.Parameter(suh, requires_grad=False))
             layer.register_parameter("svh", torch.nn.Parameter(svh, requires_grad=False))
         plan = layer.exl3_plan
-        layer.exl3_shard_sizes = [p[2] for p in plan]
         trims = [(p[1], p[3]) for p in plan if p[3] != p[2]]
         layer.exl3_keep = None
         if trims:
             keep = torch.cat([torch.arange(p[1], p[1] + p[3]) for p in plan])
             layer.exl3_keep = keep.to(layer.trellis.device)
-        layer.exl3_codebook = cb.CODEBOOK_IDS[self.codebook]
-        # The CPU path keeps the exact fp16 decode instead of decoding on every forward.
-        layer.exl3_decoded = w_hat(layer.trellis.data, self.codebook) if layer.trellis.device.type == "cpu" \
-            else None
-        prepare_layer(layer.trellis.data, layer.exl3_shard_sizes, layer.exl3_codebook)
+        # Per group: (trellis, suh rows, svh, shard widths, codebook id, CPU decode or None).
+        layer.exl3_groups = []
+        for g, (s0, s1, c0, c1, _, _) in enumerate(layer.exl3_layout):
+            trellis = self._group_trellis(layer, g)
+            code = self.specs[s0].codebook
+            sizes = [plan[i][2] for i in range(s0, s1)]
+            # The CPU path keeps the exact fp16 decode instead of decoding on every forward.
+            decoded = w_hat(trellis, code) if trellis.device.type == "cpu" else None
+            layer.exl3_groups.append((trellis, layer.suh.data[s0:s1], layer.svh.data[c0:c1], sizes,
+                                      cb.CODEBOOK_IDS[code], decoded))
+            prepare_layer(trellis, sizes, cb.CODEBOOK_IDS[code])
 
     # ---- forward -----------------------------------------------------------------------------
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        k = layer.trellis.shape[0] * 16
+        k = layer.exl3_groups[0][0].shape[0] * 16
         if x2.shape[-1] != k:
             x2 = F.pad(x2, (0, k - x2.shape[-1]))
-        fused_bias = bias if layer.exl3_keep is None else None
-        y = exl3_linear(x2, layer.trellis, layer.suh, layer.svh, fused_bias, layer.exl3_shard_sizes,
-                        layer.exl3_codebook, layer.exl3_decoded)
+        fused_bias = bias if layer.exl3_keep is None and len(layer.exl3_groups) == 1 else None
+        ys = [exl3_linear(x2, trellis, suh, svh, fused_bias, sizes, code, decoded)
+              for trellis, suh, svh, sizes, code, decoded in layer.exl3_groups]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        if bias is not None and fused_bias is None and layer.exl3_keep is None:
+            y = y + bias
         if layer.exl3_keep is not None:
             y = y.index_select(1, layer.exl3_keep)
             if bias is not None:
