@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .format.checkpoint import Checkpoint, DenseSpec, Exl3Spec
+from .format.checkpoint import Checkpoint, DenseSpec, EmbeddingSpec, Exl3Spec
 
 
 def summary(ckpt: Checkpoint) -> dict:
@@ -18,6 +18,9 @@ def summary(ckpt: Checkpoint) -> dict:
             modules.append({"key": key, "format": "exl3", "bits": m.bits, "codebook": m.codebook,
                             "k": m.k, "n": m.n, "bias": m.has_bias, "legacy_signs": m.legacy_signs,
                             "padded_from": m.padded_from, "bytes": m.nbytes})
+        elif isinstance(m, EmbeddingSpec):
+            modules.append({"key": key, "format": "exl3-embedding", "bits": m.bits, "codebook": "mul1",
+                            "rows": m.rows, "hidden": m.hidden, "bytes": m.nbytes})
         else:
             modules.append({"key": key, "format": "unquantized", "shape": list(m.shape),
                             "dtype": m.tensors["weight"].dtype if "weight" in m.tensors else None,
@@ -25,14 +28,17 @@ def summary(ckpt: Checkpoint) -> dict:
     exl3 = ckpt.exl3_modules()
     heads = [m for m in exl3 if ckpt.is_head(m.key)]
     total = sum(t.nbytes for t in ckpt.tensors.values())
+    embeds = [m for m in ckpt.modules.values() if isinstance(m, EmbeddingSpec)]
     return {
         "path": ckpt.path,
         "config_bits": ckpt.quantization_config.get("bits"),
         "average_bpw": ckpt.average_bpw(),
         "head_bits": heads[0].bits if heads else None,
+        "embedding_bits": embeds[0].bits if embeds else None,
+        "model_bpw": ckpt.model_bpw(),
         "exl3_modules": len(exl3),
         "unquantized_modules": sum(isinstance(m, DenseSpec) for m in ckpt.modules.values()),
-        "exl3_bytes": sum(m.nbytes for m in exl3),
+        "exl3_bytes": sum(m.nbytes for m in exl3) + sum(m.nbytes for m in embeds),
         "total_bytes": total,
         "codebooks": sorted({m.codebook for m in exl3}),
         "warnings": ckpt.warnings,
@@ -55,6 +61,10 @@ def render(s: dict) -> str:
             dims = f"{m['k']}x{m['n']}"
             lines.append(f"{m['key']:<56} {'exl3':<11} {m['bits']:>4g} {m['codebook']:<8} {dims:<18} "
                          f"{_fmt_bytes(m['bytes']):>11}")
+        elif m["format"] == "exl3-embedding":
+            dims = f"{m['rows']}x{m['hidden']}"
+            lines.append(f"{m['key']:<56} {'exl3-embed':<11} {m['bits']:>4g} {m['codebook']:<8} {dims:<18} "
+                         f"{_fmt_bytes(m['bytes']):>11}")
         else:
             dims = "x".join(map(str, m["shape"]))
             lines.append(f"{m['key']:<56} {'unquantized':<11} {'':>4} {'':<8} {dims:<18} {_fmt_bytes(m['bytes']):>11}")
@@ -65,6 +75,11 @@ def render(s: dict) -> str:
     lines.append(f"average bpw (decoder linears): {avg:.2f}" if avg is not None else "average bpw: n/a")
     if s["head_bits"] is not None:
         lines.append(f"head bits: {s['head_bits']:g}")
+    if s["embedding_bits"] is not None:
+        lines.append(f"embedding bits: {s['embedding_bits']:g}")
+    if s["model_bpw"] is not None:
+        lines.append(f"bpw over every weight matrix (decoder, head, embedding; 16 where unquantized): "
+                     f"{s['model_bpw']:.2f}")
     lines.append(f"config bits: {s['config_bits']}")
     lines.append(f"size: {_fmt_bytes(s['total_bytes'])} ({_fmt_bytes(s['exl3_bytes'])} EXL3)")
     for w in s["warnings"]:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from . import codebook as cb
+from . import embedding as emb
 from . import trellis as tr
 from .errors import Exl3FormatError
 from .hadamard import HAD
@@ -16,6 +18,9 @@ from .safetensors_io import TensorInfo, read_header, read_tensor
 
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
 INDEX_FILE = "model.safetensors.index.json"
+NGRAM_FILE = "ngram_embedding.safetensors"
+# The converter never lists MTP and vision modules in tensor_storage: their absence there is normal.
+_UNLISTED = re.compile(r"(^|\.)(mtp|visual|vision_tower|vision_model|multi_modal_projector)(\.|$)")
 SINGLE_FILE = "model.safetensors"
 
 
@@ -46,6 +51,20 @@ class Exl3Spec:
     @property
     def trellis_bytes(self) -> int:
         return self.tensors["trellis"].nbytes
+
+
+@dataclass
+class EmbeddingSpec:
+    """A quantized token embedding: rows x hidden, K bits per value (format/embedding.py)."""
+    key: str
+    rows: int
+    hidden: int  # groups * 256; the model's hidden size may be smaller
+    bits: int
+    tensors: dict[str, TensorInfo]  # trellis, signs
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 @dataclass
@@ -207,20 +226,50 @@ class Checkpoint:
         groups: dict[str, dict[str, TensorInfo]] = {}
         for name, info in self.tensors.items():
             key, _, suffix = name.rpartition(".")
-            if suffix in EXL3_SUFFIXES or suffix in ("weight", "bias"):
+            if suffix in EXL3_SUFFIXES or suffix in ("weight", "bias", "signs"):
                 groups.setdefault(key, {})[suffix] = info
             else:
                 self.other[name] = info
         dims = _dims_from_config(self.config)
         for key, parts in groups.items():
-            if "trellis" in parts:
+            linear_parts = set(parts) & {"suh", "svh", "su", "sv", "mcg", "mul1", "bias"}
+            if "trellis" in parts and ("signs" in parts or (len(parts["trellis"].shape) == 2 and not linear_parts)):
+                self.modules[key] = self._embedding_spec(key, parts)
+            elif "trellis" in parts:
                 self.modules[key] = self._exl3_spec(key, parts, dims)
+            elif "signs" in parts:
+                raise Exl3FormatError("embedding signs without a trellis", file=parts["signs"].file,
+                                      tensor=f"{key}.signs", fix="the checkpoint is incomplete")
             elif any(s in parts for s in EXL3_SUFFIXES):
                 some = next(s for s in EXL3_SUFFIXES if s in parts)
                 raise Exl3FormatError("EXL3 tensor without a trellis", file=parts[some].file,
                                       tensor=f"{key}.{some}", fix="the checkpoint is incomplete")
             else:
                 self.modules[key] = DenseSpec(key, parts)
+
+    def _embedding_spec(self, key: str, parts: dict[str, TensorInfo]) -> EmbeddingSpec:
+        t, name = parts["trellis"], f"{key}.trellis"
+        extra = sorted(set(parts) - {"trellis", "signs"})
+        if extra:
+            raise Exl3FormatError(f"a quantized embedding has only .trellis and .signs, found .{extra[0]} too",
+                                  file=parts[extra[0]].file, tensor=f"{key}.{extra[0]}",
+                                  fix="re-convert or re-download this module")
+        sg = parts.get("signs")
+        if sg is None:
+            raise Exl3FormatError(f"a linear's trellis must be 3-D [k/16, n/16, 16K], found {list(t.shape)}; a 2-D "
+                                  "trellis is a quantized embedding, but its .signs are missing (row-sharded tables, "
+                                  ".shard_N.trellis, are not supported)", file=t.file, tensor=name,
+                                  fix="the checkpoint is incomplete")
+        if t.dtype != "I16" or len(t.shape) != 2 or t.shape[0] == 0:
+            raise Exl3FormatError(f"an embedding trellis must be int16 [rows, G*(1+16K)], found "
+                                  f"{t.dtype}{list(t.shape)}", file=t.file, tensor=name,
+                                  fix="re-convert or re-download this module")
+        if sg.dtype != "F16" or len(sg.shape) != 2 or sg.shape[1] != emb.GROUP or sg.shape[0] == 0:
+            raise Exl3FormatError(f"embedding signs must be fp16 [G, {emb.GROUP}], found {sg.dtype}{list(sg.shape)}",
+                                  file=sg.file, tensor=sg.name, fix="re-convert or re-download this module")
+        groups = sg.shape[0]
+        bits = emb.bits_from_row(t.shape[1], groups, tensor=name, file=t.file)
+        return EmbeddingSpec(key, t.shape[0], groups * emb.GROUP, bits, {"trellis": t, "signs": sg})
 
     def _exl3_spec(self, key: str, parts: dict[str, TensorInfo], dims: set[int]) -> Exl3Spec:
         t = parts["trellis"]
@@ -293,7 +342,7 @@ class Checkpoint:
         for key, spec in self.modules.items():
             entry = self.tensor_storage.get(key)
             if entry is None:
-                if isinstance(spec, Exl3Spec) and self.tensor_storage:
+                if isinstance(spec, Exl3Spec) and self.tensor_storage and not _UNLISTED.search(key):
                     self.warnings.append(f"{key}: EXL3 module in the tensors but not in tensor_storage")
                 continue
             if isinstance(spec, Exl3Spec):
@@ -328,7 +377,11 @@ class Checkpoint:
         stated = self.quantization_config.get("bits")
         avg = self.average_bpw()
         # abs(stated) > 64 first: a huge JSON integer cannot be turned into a float; NaN also warns.
-        if type(stated) in (int, float) and avg is not None and (abs(stated) > 64 or not abs(stated - avg) <= 0.015):
+        # measure + optimize output states the storage average (trellis, scales and markers) instead.
+        mods = [m for m in self.exl3_modules() if not self.is_head(m.key)]
+        stored = sum(8 * m.nbytes for m in mods) / max(1, sum(m.k * m.n for m in mods))
+        if type(stated) in (int, float) and avg is not None and (abs(stated) > 64 or not (
+                abs(stated - avg) <= 0.015 or abs(stated - stored) <= 0.015)):
             self.warnings.append(f"config.json says bits={stated} but the decoder linears average {avg:.2f} bpw")
         for spec in self.exl3_modules():
             if spec.half_bits:
@@ -350,6 +403,21 @@ class Checkpoint:
         mods = [m for m in self.exl3_modules() if not self.is_head(m.key)]
         weights = sum(m.k * m.n for m in mods)
         return sum(m.bits * m.k * m.n for m in mods) / weights if weights else None
+
+    def model_bpw(self) -> float | None:
+        """Bits per weight over every weight matrix: EXL3 linears, head and embedding at K, dense ones at 16."""
+        bits = weights = 0
+        for m in self.modules.values():
+            if isinstance(m, Exl3Spec):
+                n, b = m.k * m.n, m.bits
+            elif isinstance(m, EmbeddingSpec):
+                n, b = m.rows * m.hidden, m.bits
+            elif len(m.shape) == 2:
+                n, b = m.shape[0] * m.shape[1], 16
+            else:
+                continue
+            bits, weights = bits + b * n, weights + n
+        return bits / weights if weights else None
 
     def tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         info = self.tensors.get(name)

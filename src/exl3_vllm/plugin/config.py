@@ -10,7 +10,7 @@ import torch
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from ..format.checkpoint import Checkpoint, DenseSpec, Exl3Spec
+from ..format.checkpoint import Checkpoint, DenseSpec, EmbeddingSpec, Exl3Spec
 from ..format.errors import Exl3FormatError
 from . import compat
 from .names import NameResolver, canonical
@@ -106,7 +106,7 @@ class Exl3Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
         from .linear_method import Exl3LinearMethod
 
@@ -114,9 +114,25 @@ class Exl3Config(QuantizationConfig):
             raise Exl3FormatError("the EXL3 config was used before its checkpoint was read",
                                   fix="load the model through vLLM (maybe_update_config reads the headers)")
         experts_cls = compat.routed_experts_class()
+        if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+            specs = self.specs_for(prefix) if prefix else []
+            spec = specs[0][1] if len(specs) == 1 else None
+            if not prefix:
+                # Some vLLM models (Llama) build their token embedding without a prefix: it is the one table.
+                tables = [m for m in self.checkpoint.modules.values() if isinstance(m, EmbeddingSpec)]
+                spec = tables[0] if len(tables) == 1 else None
+            if isinstance(spec, EmbeddingSpec):
+                from .embedding_method import Exl3EmbeddingMethod
+
+                return Exl3EmbeddingMethod(self, prefix, spec)
+            return None
         if isinstance(layer, (LinearBase, ParallelLMHead)):
             specs = self.specs_for(prefix)
             kinds = {type(s).__name__ for _, s in specs if s is not None}
+            if "EmbeddingSpec" in kinds:
+                raise Exl3FormatError(f"{prefix!r} is a linear layer in vLLM but a quantized embedding table in "
+                                      "the checkpoint", file=self.checkpoint.path, tensor=prefix,
+                                      fix="the checkpoint does not belong to this model config")
             if debug_names():
                 logger.warning("exl3 names: %s -> %s", prefix,
                                ", ".join(f"{n}={getattr(s, 'key', None)}:{type(s).__name__ if s else 'missing'}"

@@ -1,0 +1,74 @@
+"""Exl3EmbeddingMethod: a quantized token embedding in vLLM's vocab-parallel embedding, rows decoded per lookup."""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from ..format import embedding as emb
+from ..format.checkpoint import EmbeddingSpec
+from ..format.errors import Exl3FormatError
+
+
+@torch.library.custom_op("exl3::embedding", mutates_args=())
+def embedding_lookup(ids: torch.Tensor, trellis: torch.Tensor, signs: torch.Tensor, hidden: int) -> torch.Tensor:
+    """fp16 [*ids.shape, hidden]: the decoded rows of the table for `ids` (opaque to torch.compile)."""
+    flat = ids.reshape(-1)
+    return emb.decode_rows(trellis.index_select(0, flat), signs, hidden).reshape(*ids.shape, hidden)
+
+
+@embedding_lookup.register_fake
+def _embedding_lookup_fake(ids, trellis, signs, hidden):
+    return trellis.new_empty((*ids.shape, hidden), dtype=torch.float16)
+
+
+class Exl3EmbeddingMethod(QuantizeMethodBase):
+    """Rows split across tensor-parallel ranks like vLLM's own embedding (each row decodes on its own)."""
+
+    def __init__(self, config, prefix: str, spec: EmbeddingSpec):
+        self.config = config
+        self.prefix = prefix
+        self.spec = spec
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        spec = self.spec
+        hidden = input_size_per_partition
+        if emb.groups_of(hidden) * emb.GROUP != spec.hidden:
+            raise Exl3FormatError(f"{self.prefix}: the quantized embedding holds rows of {spec.hidden} values "
+                                  f"({spec.hidden // emb.GROUP} groups of {emb.GROUP}) but the model's hidden size "
+                                  f"is {hidden}", file=self.config.checkpoint.path,
+                                  tensor=f"{spec.key}.trellis", fix="the checkpoint does not belong to this model config")
+        org_vocab = getattr(layer, "org_vocab_size", spec.rows)
+        if spec.rows != org_vocab:
+            raise Exl3FormatError(f"{self.prefix}: the quantized embedding has {spec.rows} rows but the model's "
+                                  f"vocabulary is {org_vocab}", file=self.config.checkpoint.path,
+                                  tensor=f"{spec.key}.trellis", fix="the checkpoint does not belong to this model config")
+        rows = sum(output_partition_sizes)
+        words = spec.tensors["trellis"].shape[1]
+        trellis = torch.nn.Parameter(torch.empty(rows, words, dtype=torch.int16), requires_grad=False)
+        # vLLM's vocab loader takes this rank's rows and zeroes padding rows (a zero row decodes to zeros).
+        set_weight_attrs(trellis, {"input_dim": 1, "output_dim": 0})
+        set_weight_attrs(trellis, extra_weight_attrs)
+        signs = torch.nn.Parameter(torch.empty(spec.hidden // emb.GROUP, emb.GROUP, dtype=torch.float16),
+                                   requires_grad=False)
+        set_weight_attrs(signs, extra_weight_attrs)
+        layer.register_parameter("trellis", trellis)
+        layer.register_parameter("signs", signs)
+        layer.exl3_hidden = hidden
+
+    def process_weights_after_loading(self, layer) -> None:
+        s = layer.signs.data
+        if not bool(((s == 1) | (s == -1)).all()):
+            raise Exl3FormatError(f"{self.prefix}: the embedding signs must all be +1 or -1",
+                                  file=self.config.checkpoint.path, tensor=f"{self.spec.key}.signs",
+                                  fix="re-convert or re-download the checkpoint")
+
+    def embedding(self, layer, input_: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.exl3.embedding(input_, layer.trellis, layer.signs, layer.exl3_hidden)
+        return out.to(layer.params_dtype)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise Exl3FormatError(f"{self.prefix}: a quantized embedding cannot double as the output head",
+                              file=self.config.checkpoint.path, fix="the checkpoint must store its own lm_head")
