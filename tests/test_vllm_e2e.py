@@ -57,8 +57,9 @@ def model_pair(request, tmp_path_factory):
     bits_map = root / "bits.json"
     bits_map.write_text(json.dumps(BITS_MAP))
     q, d = str(root / "exl3"), str(root / "dense")
+    # A quantized token embedding (exllamav3's --embed_bits); the dense twin holds its decoded table.
     synthesize(request.param, q, bits=4, head_bits=6, bits_map=str(bits_map), seed=1, also_dense=d,
-               dense_dtype="float32")
+               dense_dtype="float32", embed_bits=4)
     return q, d
 
 
@@ -166,8 +167,10 @@ def test_tensor_parallel_2_equals_tp1_and_128_rule_fails_fast(tmp_path):
     cfg = dict(load_config("tiny-llama"), num_key_value_heads=4)  # k/v 256 wide: 128 per rank at TP=2
     good = str(tmp_path / "tp_ok")
     bits_map = tmp_path / "bits.json"
-    bits_map.write_text(json.dumps({"model.layers.0.*": 3, "model.layers.1.mlp.*": 6}))
-    synthesize(cfg, good, bits=4, head_bits=6, bits_map=str(bits_map), seed=6)
+    bits_map.write_text(json.dumps({"model.layers.0.*": 3, "model.layers.1.mlp.*": 6,
+                                    "model.layers.1.self_attn.q_proj": 5}))
+    # A quantized embedding too: vLLM splits its rows across the ranks.
+    synthesize(cfg, good, bits=4, head_bits=6, bits_map=str(bits_map), seed=6, embed_bits=5)
     tp1 = run_vllm(good, "float32", tp=1)
     tp2 = run_vllm(good, "float32", tp=2)
     assert [r["tokens"] for r in tp2] == [r["tokens"] for r in tp1]

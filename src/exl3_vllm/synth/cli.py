@@ -19,6 +19,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                "(default 4)")
     p.add_argument("--codebook", default="mul1", help="mul1 (default), mcg or 3inst")
     p.add_argument("--head-bits", default="6", help="bits of lm_head, 16 = unquantized fp16 (default 6)")
+    p.add_argument("--embed-bits", default="16", help="bits of the token embedding table, 1..8 (exllamav3's "
+                                                     "--embed_bits), 16 = unquantized (default)")
     p.add_argument("--bits-map", metavar="FILE",
                    help='JSON {"module glob": bits | {"bits": b, "codebook": c}}, first match wins')
     p.add_argument("--seed", default="0", help="random seed (default 0); the same seed gives identical files")
@@ -74,7 +76,7 @@ def main(args) -> int:
             shard = mb * 1024 ** 2
         if args.dry_run:
             _print_plan(plan(args.config, bits=args.bits, codebook=args.codebook, head_bits=args.head_bits,
-                             bits_map=args.bits_map))
+                             bits_map=args.bits_map, embed_bits=args.embed_bits))
             return 0
         if not args.out:
             raise Exl3FormatError("--out DIR is required (or pass --dry-run)")
@@ -82,7 +84,7 @@ def main(args) -> int:
             write_config_only(args.config, args.out, args.dense_dtype, overwrite=args.overwrite, log=print)
             return 0
         synthesize(args.config, args.out, bits=args.bits, codebook=args.codebook, head_bits=args.head_bits,
-                   bits_map=args.bits_map, seed=seed, also_dense=args.also_dense, dense_dtype=args.dense_dtype,
+                   bits_map=args.bits_map, seed=seed, embed_bits=args.embed_bits, also_dense=args.also_dense, dense_dtype=args.dense_dtype,
                    shard_bytes=shard, overwrite=args.overwrite, log=print)
     except Exl3FormatError as e:
         print(f"exl3-vllm synth: error: {e}", file=sys.stderr)

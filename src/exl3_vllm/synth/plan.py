@@ -9,6 +9,7 @@ from fnmatch import fnmatchcase
 from math import prod
 
 from ..format import codebook as cb
+from ..format import embedding as emb
 from ..format import trellis as tr
 from ..format.errors import Exl3FormatError
 from ..format.hadamard import HAD
@@ -38,7 +39,7 @@ class TensorPlan:
     name: str
     dtype: str  # safetensors dtype
     shape: tuple[int, ...]
-    role: str  # trellis | suh | svh | marker | bias | norm | normal
+    role: str  # trellis | suh | svh | marker | bias | norm | normal | embed_trellis | signs
     live: int = 0  # vectors: leading entries that are not padding
     codebook: str | None = None
     scale: float = 0.02
@@ -55,7 +56,7 @@ class TensorPlan:
 class ModulePlan:
     """One leaf module: an EXL3 linear or an unquantized module (norm, embedding, router, fp16 head)."""
     key: str
-    kind: str  # exl3 | dense
+    kind: str  # exl3 | dense | exl3_embedding
     role: str  # attn | mlp | expert | head | embed | norm | router
     in_features: int = 0
     out_features: int = 0
@@ -311,7 +312,18 @@ def _dense_module(key, shape, role) -> ModulePlan:
     return m
 
 
-def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_map=None) -> Plan:
+def _embedding_module(key: str, vocab: int, hidden: int, bits: int) -> ModulePlan:
+    """A quantized token embedding as exllamav3 >= 1.6 writes it (format/embedding.py)."""
+    m = ModulePlan(key, "exl3_embedding", "embed", in_features=hidden, out_features=vocab, bits=bits, codebook="mul1")
+    groups = emb.groups_of(hidden)
+    m.tensors.append(TensorPlan(f"{key}.trellis", "I16", (vocab, groups * (1 + 16 * bits)), "embed_trellis",
+                                live=groups))
+    m.tensors.append(TensorPlan(f"{key}.signs", "F16", (groups, emb.GROUP), "signs"))
+    return m
+
+
+def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_map=None,
+         embed_bits=16) -> Plan:
     """Every module of the synthetic checkpoint with shapes, bits and codebook; writes nothing."""
     config = load_config(config_or_preset)
     if isinstance(config.get("text_config"), dict):
@@ -321,6 +333,9 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
     bits = parse_bits(bits, "bits")
     codebook = parse_codebook(codebook)
     head_bits = parse_bits(head_bits, "head_bits", allow_16=True)
+    embed_bits = parse_bits(embed_bits, "embed_bits", allow_16=True)
+    if embed_bits != int(embed_bits):
+        raise Exl3FormatError(f"embed_bits = {embed_bits} is not an embedding bitrate", fix="use 1..8, or 16")
     _check_half(bits, codebook, "--bits")
     if head_bits != 16:
         _check_half(head_bits, codebook, "--head-bits")
@@ -340,7 +355,8 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
                 return b, code
         return bits, codebook
 
-    modules = [_dense_module("model.embed_tokens", (vocab, hidden), "embed")]
+    modules = [_dense_module("model.embed_tokens", (vocab, hidden), "embed") if embed_bits == 16
+               else _embedding_module("model.embed_tokens", vocab, hidden, embed_bits)]
     for i in range(layers):
         for item in _layer_modules(arch, config, i):
             if item[0] == "dense":

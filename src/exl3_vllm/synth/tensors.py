@@ -66,6 +66,17 @@ def chunks(tp: TensorPlan, seed: int) -> Iterator[np.ndarray]:
         for off in range(0, words, RAW_CHUNK):
             yield bg.random_raw(min(RAW_CHUNK, words - off))
         return
+    if tp.role == "embed_trellis":
+        # Random rings; each group's first word is its fp16 scale, which sets the row's RMS (about 0.02).
+        rows, groups = tp.shape[0], tp.live
+        words = np.frombuffer(bg.random_raw(-(-tp.nbytes // 8)).tobytes()[:tp.nbytes], dtype=np.int16).copy()
+        scales = (np.exp(_normal_draws(bg, rows * groups, 0.3)) * np.float32(0.02)).astype(np.float16)
+        words.reshape(rows, groups, -1)[..., 0] = scales.view(np.int16).reshape(rows, groups)
+        yield words
+        return
+    if tp.role == "signs":
+        yield ((bg.random_raw(numel) & 1).astype(np.float32) * 2 - 1).astype(np.float16).reshape(tp.shape)
+        return
     if tp.role == "marker":
         yield np.array(cb.MARKER_VALUES[tp.codebook], dtype=np.int32)
         return

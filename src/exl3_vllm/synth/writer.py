@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..format.errors import Exl3FormatError
+from ..format.embedding import dense_table
 from ..format.reconstruct import dense_weight
 from . import tensors as gen
 from .plan import DTYPE_SIZES, Plan, plan
@@ -141,6 +142,14 @@ def _dense_groups(p: Plan, seed: int, dense_dtype: str) -> list[list[Entry]]:
     st_dtype, torch_dtype = DENSE_DTYPES[dense_dtype]
     groups = []
     for m in p.modules:
+        if m.kind == "exl3_embedding":
+            def table(m=m):
+                t = dense_table(gen.value(m.tensor("trellis"), seed), gen.value(m.tensor("signs"), seed),
+                                m.in_features)
+                yield t.to(torch_dtype).contiguous().view(torch.uint8).numpy()
+
+            groups.append([Entry(f"{m.key}.weight", st_dtype, (m.out_features, m.in_features), table)])
+            continue
         if m.kind != "exl3":
             groups.append([Entry(t.name, t.dtype, t.shape, (lambda t=t: gen.chunks(t, seed))) for t in m.tensors])
             continue
@@ -163,7 +172,7 @@ def _dense_groups(p: Plan, seed: int, dense_dtype: str) -> list[list[Entry]]:
 
 
 def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head_bits=6, bits_map=None,
-               seed: int = 0, also_dense=None, dense_dtype: str = "bfloat16", *, shard_bytes: int | None = None,
+               seed: int = 0, embed_bits=16, also_dense=None, dense_dtype: str = "bfloat16", *, shard_bytes: int | None = None,
                overwrite: bool = False, log: Callable[[str], None] | None = None) -> str:
     """Write a synthetic EXL3 checkpoint (and optionally its dense twin); returns the absolute out_dir.
 
@@ -171,7 +180,8 @@ def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head
     bits_map: a JSON file path or dict {module-key glob: bits | {"bits": b, "codebook": c}}, first match wins.
     """
     t0 = time.time()
-    p = plan(config_or_preset, bits=bits, codebook=codebook, head_bits=head_bits, bits_map=bits_map)
+    p = plan(config_or_preset, bits=bits, codebook=codebook, head_bits=head_bits, bits_map=bits_map,
+             embed_bits=embed_bits)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise Exl3FormatError(f"seed must be a non-negative integer, got {seed!r}")
     if dense_dtype not in DENSE_DTYPES:
