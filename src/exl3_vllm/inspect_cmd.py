@@ -42,6 +42,7 @@ def summary(ckpt: Checkpoint) -> dict:
         "total_bytes": total,
         "codebooks": sorted({m.codebook for m in exl3}),
         "warnings": ckpt.warnings,
+        "unsupported": [f"{what}: {why}" for what, why in ckpt.unsupported],
         "modules": modules,
     }
 
@@ -84,6 +85,8 @@ def render(s: dict) -> str:
     lines.append(f"size: {_fmt_bytes(s['total_bytes'])} ({_fmt_bytes(s['exl3_bytes'])} EXL3)")
     for w in s["warnings"]:
         lines.append(f"warning: {w}")
+    for u in s["unsupported"]:
+        lines.append(f"not servable by vLLM: {u}")
     return "\n".join(lines)
 
 
@@ -95,10 +98,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    s = summary(Checkpoint(args.path))
+    ck = Checkpoint(args.path)
+    s = summary(ck)
     if args.json:
         json.dump(s, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         print(render(s))
-    return 0
+    return 1 if ck.unsupported else 0

@@ -158,6 +158,7 @@ class Checkpoint:
     def __init__(self, path: str):
         self.path = os.path.abspath(path)
         self.warnings: list[str] = []
+        self.unsupported: list[tuple[str, str]] = []  # (file or module, what): readable, but not servable
         if not os.path.isdir(self.path):
             raise Exl3FormatError("not a directory", file=self.path, fix="pass the checkpoint directory")
         self.config = _read_json(os.path.join(self.path, "config.json"), "config.json")
@@ -172,6 +173,9 @@ class Checkpoint:
         self.modules: dict[str, Exl3Spec | DenseSpec] = {}
         self.other: dict[str, TensorInfo] = {}
         self._build_specs()
+        if os.path.exists(os.path.join(self.path, NGRAM_FILE)):
+            self.unsupported.append((NGRAM_FILE, "hashed n-gram embedding tables (exllamav3's --ngram_bits), "
+                                                 "which vLLM's models do not read"))
         self._check_storage()
         self._check_bits()
 

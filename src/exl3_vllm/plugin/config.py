@@ -101,6 +101,9 @@ class Exl3Config(QuantizationConfig):
         if self.checkpoint is not None and self.checkpoint.path == os.path.abspath(path):
             return
         self.checkpoint = Checkpoint(path)
+        for what, why in self.checkpoint.unsupported:
+            raise Exl3FormatError(f"the checkpoint has {why}", file=os.path.join(path, what),
+                                  fix="serve it with exllamav3, or re-convert without this feature")
         self._resolver = None
         _log_warnings(self.checkpoint.warnings)
 
