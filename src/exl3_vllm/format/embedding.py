@@ -36,12 +36,13 @@ def bits_from_row(row_words: int, groups: int, tensor: str | None = None, file: 
 def _states(stream: torch.Tensor, bits: int) -> torch.Tensor:
     """16-bit trellis states of each ring position from its words ([..., 16K] int16, bits read LSB first)."""
     words = stream.to(torch.int32) & 0xFFFF
-    bit = (words.unsqueeze(-1) >> torch.arange(16, device=stream.device, dtype=torch.int32)) & 1
-    bit = bit.reshape(*stream.shape[:-1], GROUP, bits)
-    sym = (bit << torch.arange(bits, device=stream.device, dtype=torch.int32)).sum(-1, dtype=torch.int32)
+    words = torch.cat([words, torch.zeros_like(words[..., :1])], -1)  # a symbol may straddle the last word
+    first = torch.arange(GROUP, device=stream.device, dtype=torch.int32) * bits
+    lo, hi = words[..., first >> 4], words[..., (first >> 4) + 1]
+    sym = ((lo | (hi << 16)) >> (first & 15)) & ((1 << bits) - 1)
     # state_i holds symbol_{i-j} at bit j*K (the ring wraps); the distinct bit ranges make the sum an OR.
-    state = torch.zeros_like(sym)
-    for j in range(math.ceil(16 / bits)):
+    state = sym
+    for j in range(1, math.ceil(16 / bits)):
         state = state + (torch.roll(sym, j, dims=-1) << (j * bits))
     return state & 0xFFFF
 
@@ -58,13 +59,19 @@ def _wht(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def decode_rows(rows: torch.Tensor, signs: torch.Tensor, hidden: int) -> torch.Tensor:
-    """fp16 [M, hidden] from trellis rows int16 [M, G * (1 + 16K)] and signs fp16 [G, 256]; any device."""
+def decode_rows(rows: torch.Tensor, signs: torch.Tensor, hidden: int,
+                values_of: torch.Tensor | None = None) -> torch.Tensor:
+    """fp16 [M, hidden] from trellis rows int16 [M, G * (1 + 16K)] and signs fp16 [G, 256]; any device.
+
+    values_of: codebook.all_values("mul1") on the rows' device, to look states up instead of decoding them.
+    """
     groups = signs.shape[0]
     bits = bits_from_row(rows.shape[-1], groups)
     w = rows.reshape(-1, groups, 1 + 16 * bits)
     scale = w[..., 0].contiguous().view(torch.float16).to(torch.float32)
-    values = decode(_states(w[..., 1:], bits), "mul1").to(torch.float32) * scale.unsqueeze(-1)
+    states = _states(w[..., 1:], bits)
+    values = values_of[states.long()] if values_of is not None else decode(states, "mul1")
+    values = values.to(torch.float32) * scale.unsqueeze(-1)
     # 1/16 and the signs are exact in fp32, so the one rounding is the cast to fp16.
     out = (_wht(values) * (1.0 / 16) * signs.to(torch.float32)).to(torch.float16)
     return out.reshape(-1, groups * GROUP)[:, :hidden]

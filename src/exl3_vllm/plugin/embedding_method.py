@@ -6,20 +6,22 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
+from ..format import codebook as cb
 from ..format import embedding as emb
 from ..format.checkpoint import EmbeddingSpec
 from ..format.errors import Exl3FormatError
 
 
 @torch.library.custom_op("exl3::embedding", mutates_args=())
-def embedding_lookup(ids: torch.Tensor, trellis: torch.Tensor, signs: torch.Tensor, hidden: int) -> torch.Tensor:
+def embedding_lookup(ids: torch.Tensor, trellis: torch.Tensor, signs: torch.Tensor, values_of: torch.Tensor,
+                     hidden: int) -> torch.Tensor:
     """fp16 [*ids.shape, hidden]: the decoded rows of the table for `ids` (opaque to torch.compile)."""
     flat = ids.reshape(-1)
-    return emb.decode_rows(trellis.index_select(0, flat), signs, hidden).reshape(*ids.shape, hidden)
+    return emb.decode_rows(trellis.index_select(0, flat), signs, hidden, values_of).reshape(*ids.shape, hidden)
 
 
 @embedding_lookup.register_fake
-def _embedding_lookup_fake(ids, trellis, signs, hidden):
+def _embedding_lookup_fake(ids, trellis, signs, values_of, hidden):
     return trellis.new_empty((*ids.shape, hidden), dtype=torch.float16)
 
 
@@ -59,6 +61,8 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         layer.exl3_hidden = hidden
 
     def process_weights_after_loading(self, layer) -> None:
+        # The 65536 mul1 values (128 KiB): a lookup per weight instead of the integer decode.
+        layer.exl3_values = cb.all_values("mul1").to(layer.trellis.device)
         s = layer.signs.data
         if not bool(((s == 1) | (s == -1)).all()):
             raise Exl3FormatError(f"{self.prefix}: the embedding signs must all be +1 or -1",
@@ -66,7 +70,7 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
                                   fix="re-convert or re-download the checkpoint")
 
     def embedding(self, layer, input_: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.exl3.embedding(input_, layer.trellis, layer.signs, layer.exl3_hidden)
+        out = torch.ops.exl3.embedding(input_, layer.trellis, layer.signs, layer.exl3_values, layer.exl3_hidden)
         return out.to(layer.params_dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
