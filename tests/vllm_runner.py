@@ -20,10 +20,14 @@ if __name__ == "__main__":
     # Tensor parallelism needs worker processes; one rank runs in this process.
     kwargs = {"distributed_executor_backend": "uni"} if tp == 1 else {"tensor_parallel_size": tp}
     kwargs.update(json.loads(sys.argv[6]) if len(sys.argv) > 6 else {})
+    # "full_prompt_logprobs": N also returns the whole distribution (N = the vocabulary) at every prompt position.
+    full = kwargs.pop("full_prompt_logprobs", 0)
+    if full:
+        kwargs["max_logprobs"] = full
     llm = LLM(model=model, dtype=dtype, max_model_len=256, max_num_seqs=8, seed=0,
               **{"enforce_eager": True, **kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
-                            prompt_logprobs=1)
+                            prompt_logprobs=full or 1, detokenize=not full)
     results = []
     for out in llm.generate(prompts, params):
         prompt_lp = []
@@ -31,4 +35,6 @@ if __name__ == "__main__":
             prompt_lp.append(lp[tok].logprob if lp and tok in lp else None)
         results.append({"prompt_ids": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids),
                         "prompt_logprobs": prompt_lp})
+        if full:
+            results[-1]["prompt_dists"] = [[[t, v.logprob] for t, v in lp.items()] for lp in out.prompt_logprobs[1:]]
     print("RESULT " + json.dumps(results), flush=True)

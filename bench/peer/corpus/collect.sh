@@ -1,0 +1,30 @@
+#!/bin/bash
+# Wait for pipeline.sh (at most WAIT_S seconds, default 500), then copy what the corpus made into $OUT:
+# log.txt, results.tar (convert.json, ex3.json, the per-job logs), fixture.tar (the fixture checkpoints and every
+# checkpoint's 96-token exllamav3 logits), sample.tar (the converted checkpoints of the run, up to 15 MiB each part),
+# and, with PACK_EXT=1, exllamav3's built extension as ext.so.xz.partNN.
+set -u
+C=/tmp/corpus
+OUT=${OUT:-/tmp/corpus-out}
+mkdir -p "$OUT"
+END=$(( $(date +%s) + ${WAIT_S:-500} ))
+while [ ! -f $C/DONE ] && [ $(date +%s) -lt $END ]; do
+  sleep 10
+  pgrep -f pipeline.sh > /dev/null || break
+done
+[ -f $C/DONE ] && echo "[collect] DONE" || echo "[collect] NOT DONE"
+cp $C/log.txt "$OUT/log.txt" 2>/dev/null
+tail -n 40 $C/log.txt
+( cd $C && tar -cf "$OUT/results.tar" exl3/convert.json exl3/*.log* ref/ex3.json ref/gate.json gate/gate_runs.json \
+  gate/*.log gate.log train.log build.log ex3.log convert.log hf/*/train.json hf/*/config.json 2>/dev/null )
+[ -d $C/fixture ] && tar -C $C -cf "$OUT/fixture.tar" fixture $(cd $C && ls -d exl3/${FIXTURE_CKPTS:-llama-recipe-eb4} \
+  exl3/qwen3-moe-recipe-eb3 2>/dev/null)
+if [ "${PACK_CKPTS:-1}" = 1 ] && [ -d $C/exl3 ]; then
+  (cd $C && tar -cf - --exclude='*.log' exl3) | split -b 15M -d - "$OUT/ckpts.tar.part"
+fi
+if [ "${PACK_EXT:-0}" = 1 ]; then
+  SO=$(ls $C/ext/exllamav3_ext/*.so 2>/dev/null | head -n 1)
+  [ -n "$SO" ] && ls -la "$SO" && xz -T0 -6 -c "$SO" | split -b 15M -d - "$OUT/ext.so.xz.part"
+fi
+ls -la "$OUT"
+du -cb "$OUT"/* | tail -n 1

