@@ -24,7 +24,7 @@ export PYTHONPATH=/tmp/site:$PWD/.peer/src:$PWD/src
 if [ -n "${EXT_SO:-}" ]; then mkdir -p $C/extso && cp "$EXT_SO" $C/extso/ && export PYTHONPATH=$C/extso:$PYTHONPATH; fi
 stamp "start set=${SET:-sample} git=$(git rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-( python3 -c "import exllamav3, exllamav3.ext as e; print('ext', e.ext.__file__)" > $C/build.log 2>&1
+( python3 -c "import exllamav3.ext as e; print('ext', e.exllamav3_ext.__file__)" > $C/build.log 2>&1
   echo "rc=$?" >> $C/build.log ) &
 BUILD=$!
 python3 bench/peer/corpus/make_models.py --text-dir .peer/src/exllamav3/conversion/standard_cal_data --out $C/hf \
