@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from exl3_vllm.format import codebook as cb
+from exl3_vllm.format import embedding as emb
 from exl3_vllm.format import trellis as tr
 from exl3_vllm.format.hadamard import had_128
 from exl3_vllm.format.linear import linear
@@ -83,3 +84,12 @@ def test_fixture_set_is_complete():
     want = {f"k{k}_{c}" for k in range(1, 9) for c in cb.CODEBOOKS} | {f"k{k}p5_mul1" for k in (1, 2, 3)}
     missing = sorted(want - ids)
     assert not missing, f"missing fixtures: {missing}"
+
+
+def test_embedding_rows_bit_exact():
+    t, meta = load(os.path.join(DATA, "embedding_rows.safetensors"))
+    hidden = int(meta["hidden"])
+    for k in range(1, 9):
+        for values_of in (None, cb.all_values("mul1")):
+            ours = emb.decode_rows(t[f"k{k}.trellis"], t[f"k{k}.signs"], hidden, values_of)
+            assert torch.equal(ours.view(torch.int16), t[f"k{k}.rows"].view(torch.int16)), k
