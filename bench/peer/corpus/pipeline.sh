@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   echo "rc=$?" >> $C/build.log ) &
 BUILD=$!
 python3 bench/peer/corpus/make_models.py --text-dir .peer/src/exllamav3/conversion/standard_cal_data --out $C/hf \
-  --steps ${STEPS:-1500} > $C/train.log 2>&1 || { stamp "training FAILED"; tail -n 30 $C/train.log; exit 1; }
+  --steps ${STEPS:-1500} ${MODELS:+--only $MODELS} > $C/train.log 2>&1 || { stamp "training FAILED"; tail -n 30 $C/train.log; exit 1; }
 grep -h "step $(( ${STEPS:-1500} - 1 ))" $C/train.log
 stamp "trained"
 wait $BUILD
