@@ -65,3 +65,30 @@ def test_zero_rows_decode_to_zeros_and_bad_widths_are_refused():
     for width, groups in ((2 * 65 + 1, 2), (2 * 145, 2), (18 * 3, 3)):
         with pytest.raises(Exl3FormatError, match="1 \\+ 16K"):
             emb.bits_from_row(width, groups)
+
+
+@pytest.mark.gpu
+def test_lookup_on_the_gpu_and_in_a_cuda_graph_equals_the_cpu_decode():
+    from exl3_vllm.kernels import embedding as embedding_lookup
+
+    gen = torch.Generator().manual_seed(7)
+    hidden, vocab, bits = 640, 300, 5
+    groups = emb.groups_of(hidden)
+    table = torch.stack([torch.cat([_ring(bits, gen) for _ in range(groups)]) for _ in range(vocab)])
+    signs = (torch.randint(0, 2, (groups, 256), generator=gen) * 2 - 1).half()
+    ids = torch.randint(0, vocab, (3, 17), generator=gen)
+    want = emb.decode_rows(table[ids.reshape(-1)], signs, hidden).reshape(3, 17, hidden)
+    dev = torch.device("cuda")
+    args = (table.to(dev), signs.to(dev), cb.all_values("mul1").to(dev), hidden)
+    got = embedding_lookup(ids.to(dev), *args)
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+    static_ids = ids.to(dev)
+    embedding_lookup(static_ids, *args)  # warm up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = embedding_lookup(static_ids, *args)
+    out.fill_(float("nan"))
+    static_ids.copy_(torch.flip(ids, (1,)).to(dev))
+    g.replay()
+    want = emb.decode_rows(table[torch.flip(ids, (1,)).reshape(-1)], signs, hidden).reshape(3, 17, hidden)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))

@@ -6,23 +6,11 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
+from .. import kernels  # noqa: F401  (registers torch.ops.exl3.embedding)
 from ..format import codebook as cb
 from ..format import embedding as emb
 from ..format.checkpoint import EmbeddingSpec
 from ..format.errors import Exl3FormatError
-
-
-@torch.library.custom_op("exl3::embedding", mutates_args=())
-def embedding_lookup(ids: torch.Tensor, trellis: torch.Tensor, signs: torch.Tensor, values_of: torch.Tensor,
-                     hidden: int) -> torch.Tensor:
-    """fp16 [*ids.shape, hidden]: the decoded rows of the table for `ids` (opaque to torch.compile)."""
-    flat = ids.reshape(-1)
-    return emb.decode_rows(trellis.index_select(0, flat), signs, hidden, values_of).reshape(*ids.shape, hidden)
-
-
-@embedding_lookup.register_fake
-def _embedding_lookup_fake(ids, trellis, signs, values_of, hidden):
-    return trellis.new_empty((*ids.shape, hidden), dtype=torch.float16)
 
 
 class Exl3EmbeddingMethod(QuantizeMethodBase):
