@@ -161,6 +161,20 @@ def test_malformed_checkpoint_fails_fast_with_our_message(tmp_path):
     assert time.time() - t0 < 120
 
 
+def test_non_finite_scales_are_refused_at_load(tmp_path):
+    from exl3_vllm.format.checkpoint import Checkpoint
+
+    q = str(tmp_path / "nan")
+    synthesize("tiny-llama", q, bits=4, seed=5)
+    info = Checkpoint(q).tensors["model.layers.0.self_attn.k_proj.suh"]
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset + 2 * 5)
+        f.write(bytes([0x00, 0x7E]))  # fp16 NaN in channel 5
+    proc = run_engine(q, "float32", PROMPTS[:1], 4, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "model.layers.0.self_attn.k_proj.suh" in out and "NaN or Inf" in out, out[-3000:]
+
+
 def test_tensor_parallel_2_equals_tp1_and_128_rule_fails_fast(tmp_path):
     from exl3_vllm.synth import load_config
 

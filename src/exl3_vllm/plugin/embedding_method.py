@@ -51,6 +51,14 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         # The 65536 mul1 values (128 KiB): a lookup per weight instead of the integer decode.
         layer.exl3_values = cb.all_values("mul1").to(layer.trellis.device)
+        scales = layer.trellis.data.reshape(layer.trellis.shape[0], -1, layer.trellis.shape[1] // (
+            self.spec.hidden // emb.GROUP))[..., 0].contiguous().view(torch.float16)
+        bad = (~torch.isfinite(scales)).any(1).nonzero()
+        if bad.numel():
+            raise Exl3FormatError(f"{self.prefix}: {bad.numel()} rows of the quantized embedding (e.g. row "
+                                  f"{int(bad[0])} of this rank's) have a NaN or Inf scale",
+                                  file=self.config.checkpoint.path, tensor=f"{self.spec.key}.trellis",
+                                  fix="the checkpoint is damaged: re-download or re-convert it")
         s = layer.signs.data
         if not bool(((s == 1) | (s == -1)).all()):
             raise Exl3FormatError(f"{self.prefix}: the embedding signs must all be +1 or -1",

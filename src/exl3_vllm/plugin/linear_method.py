@@ -207,6 +207,7 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.register_parameter("suh", torch.nn.Parameter(suh, requires_grad=False))
             layer.register_parameter("svh", torch.nn.Parameter(svh, requires_grad=False))
         plan = layer.exl3_plan
+        self._check_finite(layer, plan)
         trims = [(p[1], p[3]) for p in plan if p[3] != p[2]]
         layer.exl3_keep = None
         if trims:
@@ -223,6 +224,17 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.exl3_groups.append((trellis, layer.suh.data[s0:s1], layer.svh.data[c0:c1], sizes,
                                       cb.CODEBOOK_IDS[code], decoded))
             prepare_layer(trellis, sizes, cb.CODEBOOK_IDS[code])
+
+    def _check_finite(self, layer, plan) -> None:
+        """A NaN or Inf scale would turn every output of its shard into NaN: refuse it at load, naming it."""
+        suh_ok = torch.isfinite(layer.suh.data).all(dim=1).tolist()
+        svh_ok = [bool(torch.isfinite(layer.svh.data[p[1]:p[1] + p[3]]).all()) for p in plan]  # padding is trimmed
+        for spec, a, b in zip(self.specs, suh_ok, svh_ok):
+            if not (a and b):
+                what = "suh" if not a else "svh"
+                raise Exl3FormatError(f"{self.prefix}: {spec.key}.{what} holds NaN or Inf values",
+                                      file=spec.tensors["trellis"].file, tensor=f"{spec.key}.{what}",
+                                      fix="the checkpoint is damaged: re-download or re-convert it")
 
     # ---- forward -----------------------------------------------------------------------------
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

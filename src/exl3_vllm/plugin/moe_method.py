@@ -306,6 +306,16 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                                   f"{', '.join(names)})", file=self.path, tensor=names[0],
                                   fix="the checkpoint is incomplete; re-download it")
         del layer.exl3_moe_loaded, layer.exl3_moe_expected
+        # A NaN or Inf scale would turn its expert's outputs into NaN: refuse it at load, naming it.
+        for stem in _SHARDS:
+            for side in ("suh", "svh"):
+                ok = torch.isfinite(getattr(layer, f"{stem}_{side}").data).flatten(1).all(1).tolist()
+                if not all(ok):
+                    slot = ok.index(False)
+                    spec = self.specs[stem][plan["local"][slot]][0]
+                    raise Exl3FormatError(f"{self.prefix}: expert {plan['local'][slot]}'s {stem} {side} holds NaN or "
+                                          "Inf values", file=self.path, tensor=f"{spec.key}.{side}",
+                                          fix="the checkpoint is damaged: re-download or re-convert it")
         for stem in _SHARDS:
             for r in ("su", "sv"):
                 if hasattr(layer, f"{stem}_{r}"):
