@@ -159,6 +159,10 @@ def test_malformed_checkpoint_fails_fast_with_our_message(tmp_path):
     out = proc.stdout + proc.stderr
     assert "quantization_config.json" in out and key in out and "bits_per_weight 3 but the trellis holds 4" in out
     assert time.time() - t0 < 120
+    # Our one line comes before any traceback.
+    ours = proc.stderr.find("EXL3 checkpoint error:")
+    assert ours != -1 and (proc.stderr.find("Traceback") == -1 or ours < proc.stderr.find("Traceback")), \
+        proc.stderr[:3000]
 
 
 def test_non_finite_scales_are_refused_at_load(tmp_path):

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
+# Set inside a serving process (plugin.register): each error is reported once, in one line, as it is raised,
+# before whatever traceback the host prints around it.
+on_raise: Callable[[str], None] | None = None
+_reported: set[str] = set()
+
 
 class Exl3FormatError(ValueError):
     """A checkpoint, tensor or argument that does not follow the EXL3 format.
@@ -26,3 +33,6 @@ class Exl3FormatError(ValueError):
         if fix:
             msg += f" ({fix})"
         super().__init__(msg)
+        if on_raise is not None and msg not in _reported:
+            _reported.add(msg)
+            on_raise(msg)

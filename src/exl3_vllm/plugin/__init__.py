@@ -20,4 +20,10 @@ def register() -> None:
             init_amx()
         except Exception:  # noqa: BLE001 - a CPU without AMX simply has nothing to enable
             pass
+    import logging
+
+    from ..format import errors
+
+    log = logging.getLogger("exl3_vllm")
+    errors.on_raise = lambda msg: log.error("EXL3 checkpoint error: %s", msg)
     from . import config  # noqa: F401  (the import registers the config class)
