@@ -8,6 +8,7 @@ import torch
 from exl3_vllm import cli
 from exl3_vllm.format.checkpoint import Checkpoint
 from exl3_vllm.format.linear import linear
+from exl3_vllm.synth import synthesize
 
 
 def test_synth_inspect_reload_round_trip(tmp_path, capsys):
@@ -48,3 +49,26 @@ def test_inspect_bad_checkpoint_exits_2_with_message(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "config.json" in err and "not valid JSON" in err and "Traceback" not in err
+
+
+def test_inspect_verify_reads_the_data_and_names_a_nan(tmp_path, capsys):
+
+    out = tmp_path / "ckpt"
+    synthesize("tiny-llama", str(out), bits=4, seed=3, embed_bits=4)
+    assert cli.main(["inspect", str(out), "--verify"]) == 0
+    assert "verify: every scale" in capsys.readouterr().out
+    ck = Checkpoint(str(out))
+    for name, pos in (("model.layers.1.mlp.up_proj.svh", 7), ("model.embed_tokens.trellis", 0)):
+        info = ck.tensors[name]
+        with open(info.file, "r+b") as f:
+            f.seek(info.offset + 2 * pos)
+            old = f.read(2)
+            f.seek(info.offset + 2 * pos)
+            f.write(bytes([0x00, 0x7C]))  # fp16 +Inf
+        assert cli.main(["inspect", str(out)]) == 0  # headers alone cannot see it
+        assert cli.main(["inspect", str(out), "--verify"]) == 2
+        err = capsys.readouterr().err
+        assert name in err and "NaN or Inf" in err, err
+        with open(info.file, "r+b") as f:
+            f.seek(info.offset + 2 * pos)
+            f.write(old)

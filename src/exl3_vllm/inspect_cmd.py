@@ -94,15 +94,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="describe an EXL3 checkpoint (headers only)")
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--verify", action="store_true", help="also read the data the headers cannot vouch for: every "
+                                                          "scale vector, bias, unquantized weight and embedding row "
+                                                          "scale must be finite (reads all but the trellis words)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     ck = Checkpoint(args.path)
     s = summary(ck)
+    if args.verify:
+        ck.verify()
+        s["verified"] = True
     if args.json:
         json.dump(s, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         print(render(s))
+        if args.verify:
+            print("verify: every scale, bias, unquantized weight and embedding row scale is finite")
     return 1 if ck.unsupported else 0

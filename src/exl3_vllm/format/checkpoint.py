@@ -423,6 +423,31 @@ class Checkpoint:
             bits, weights = bits + b * n, weights + n
         return bits / weights if weights else None
 
+    def verify(self) -> None:
+        """Read what the headers cannot vouch for: every scale vector, bias and embedding row scale must be finite
+        (a NaN there makes whole outputs NaN); raises Exl3FormatError naming the first bad tensor."""
+        for key, spec in self.modules.items():
+            if isinstance(spec, Exl3Spec):
+                vectors = [r for r in ("suh", "svh", "bias") if r in spec.tensors]
+            elif isinstance(spec, EmbeddingSpec):
+                t = read_tensor(spec.tensors["trellis"])
+                scales = t.reshape(t.shape[0], spec.hidden // emb.GROUP, -1)[..., 0].contiguous().view(torch.float16)
+                bad = (~torch.isfinite(scales)).any(1).nonzero()
+                if bad.numel():
+                    raise Exl3FormatError(f"{bad.numel()} rows have a NaN or Inf scale (first: row {int(bad[0])})",
+                                          file=spec.tensors["trellis"].file, tensor=f"{key}.trellis",
+                                          fix="the checkpoint is damaged: re-download or re-convert it")
+                vectors = ["signs"]
+            else:
+                vectors = [r for r, i in spec.tensors.items() if i.dtype in ("F16", "BF16", "F32")]
+            for role in vectors:
+                info = spec.tensors[role]
+                v = read_tensor(info)
+                if not bool(torch.isfinite(v).all()):
+                    raise Exl3FormatError(f"{int((~torch.isfinite(v)).sum())} NaN or Inf values", file=info.file,
+                                          tensor=info.name, fix="the checkpoint is damaged: re-download or "
+                                                                "re-convert it")
+
     def tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         info = self.tensors.get(name)
         if info is None:
