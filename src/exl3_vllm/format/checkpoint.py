@@ -387,10 +387,8 @@ class Checkpoint:
         if type(stated) in (int, float) and avg is not None and (abs(stated) > 64 or not (
                 abs(stated - avg) <= 0.015 or abs(stated - stored) <= 0.015)):
             self.warnings.append(f"config.json says bits={stated} but the decoder linears average {avg:.2f} bpw")
+        # Half-integer K (mul1, the converter's default below 4 bpw) is no warning: this runtime serves it.
         for spec in self.exl3_modules():
-            if spec.half_bits:
-                self.warnings.append(f"{spec.key}: half-integer K={spec.bits} (needs a runtime with mul1 "
-                                     "half-K support)")
             if spec.legacy_signs:
                 self.warnings.append(f"{spec.key}: legacy su/sv sign vectors (no magnitudes)")
 
