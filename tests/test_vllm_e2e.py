@@ -165,6 +165,22 @@ def test_malformed_checkpoint_fails_fast_with_our_message(tmp_path):
         proc.stderr[:3000]
 
 
+def test_unquantized_head_stored_padded_loads_and_matches_the_oracle(tmp_path):
+    from exl3_vllm.synth import load_config
+
+    # exllamav3 -hb 16 stores the head padded to a multiple of 128 rows; vLLM's loader wants the vocabulary.
+    cfg = dict(load_config("tiny-llama"), vocab_size=1000)
+    q, d = str(tmp_path / "q"), str(tmp_path / "d")
+    synthesize(cfg, q, bits=4, head_bits=16, seed=8, also_dense=d, dense_dtype="float32")
+    res = run_vllm(q, "float32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    for r in res:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([r["prompt_ids"]]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 min_new_tokens=MAX_TOKENS)
+        assert r["tokens"] == out[0, len(r["prompt_ids"]):].tolist()
+
+
 def test_non_finite_scales_are_refused_at_load(tmp_path):
     from exl3_vllm.format.checkpoint import Checkpoint
 

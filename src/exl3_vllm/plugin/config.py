@@ -149,6 +149,11 @@ class Exl3Config(QuantizationConfig):
                         fix="mixed quantized/unquantized shards of one fused layer are not supported")
                 return Exl3LinearMethod(self, prefix, [s for _, s in specs])
             if isinstance(layer, ParallelLMHead):
+                dense = specs[0][1] if len(specs) == 1 and isinstance(specs[0][1], DenseSpec) else None
+                if dense is not None and len(dense.shape) == 2 and dense.shape[0] > layer.org_vocab_size:
+                    from .embedding_method import padded_dense_head_method
+
+                    return padded_dense_head_method(dense.shape[0])
                 return None
             return compat.unquantized_linear_method()
         if experts_cls is not None and isinstance(layer, experts_cls):

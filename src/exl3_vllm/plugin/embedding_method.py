@@ -72,3 +72,20 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise Exl3FormatError(f"{self.prefix}: a quantized embedding cannot double as the output head",
                               file=self.config.checkpoint.path, fix="the checkpoint must store its own lm_head")
+
+
+def padded_dense_head_method(rows: int):
+    """vLLM's own method for an unquantized head that the converter stored with its rows padded to a multiple of
+    128 (`-hb 16`): the padding rows are dropped before vLLM's loader, which wants exactly the vocabulary."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    class PaddedDenseHead(UnquantizedEmbeddingMethod):
+        def create_weights(self, layer, *args, **extra_weight_attrs):
+            loader = extra_weight_attrs.pop("weight_loader")
+
+            def load(param, loaded_weight):
+                return loader(param, loaded_weight.narrow(0, 0, layer.org_vocab_size))
+
+            super().create_weights(layer, *args, weight_loader=load, **extra_weight_attrs)
+
+    return PaddedDenseHead()

@@ -366,7 +366,8 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
                 modules.append(_exl3_module(key, k_in, n_out, bias, role, *choose(key)))
     modules.append(_dense_module("model.norm", (hidden,), "norm"))
     if head_bits == 16:
-        modules.append(_dense_module(HEAD_KEY, (vocab, hidden), "head"))
+        # The converter stores a 16-bit head like any unquantized linear: rows padded to a multiple of 128.
+        modules.append(_dense_module(HEAD_KEY, (-(-vocab // HAD) * HAD, hidden), "head"))
     else:
         modules.append(_exl3_module(HEAD_KEY, hidden, vocab, False, "head", head_bits, codebook))
     return Plan(config, arch, bits, codebook, head_bits, modules)

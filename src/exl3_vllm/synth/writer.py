@@ -150,6 +150,13 @@ def _dense_groups(p: Plan, seed: int, dense_dtype: str) -> list[list[Entry]]:
 
             groups.append([Entry(f"{m.key}.weight", st_dtype, (m.out_features, m.in_features), table)])
             continue
+        if m.kind == "dense" and m.is_head and m.out_features != p.config["vocab_size"]:
+            def head(m=m):  # the converter's row padding, trimmed back for the plain HF twin
+                yield gen.value(m.tensors[0], seed)[:p.config["vocab_size"]].contiguous().numpy()
+
+            t = m.tensors[0]
+            groups.append([Entry(t.name, t.dtype, (p.config["vocab_size"], t.shape[1]), head)])
+            continue
         if m.kind != "exl3":
             groups.append([Entry(t.name, t.dtype, t.shape, (lambda t=t: gen.chunks(t, seed))) for t in m.tensors])
             continue
