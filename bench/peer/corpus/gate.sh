@@ -14,6 +14,9 @@ if [ ! -f $C/DONE ]; then
 fi
 (
   source bench/serve_gpu/device_env.sh || exit 3
+  # Engines share the GPU, so load-time timing would measure each other: the static plan instead (every tier it
+  # picks is checked against the format reference by pytest -m gpu).
+  export EXL3_VLLM_TUNE=0
   python3 bench/peer/corpus/gate_vllm.py --corpus $C/exl3 --ref $C/ref --out $C/gate --parallel ${PARALLEL:-4} \
     --deadline $((END - 120)) ${GATE_ARGS:-}
 ) 2>&1 | tee -a $C/gate.log | grep -E "^\[gate\]|NO KIT|Error" | cut -c1-600

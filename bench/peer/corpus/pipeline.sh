@@ -35,6 +35,9 @@ wait $BUILD
 tail -n 3 $C/build.log
 grep -q "rc=0" $C/build.log || { stamp "build FAILED"; grep -m 20 -i "error" $C/build.log; exit 1; }
 stamp "built"
+# Our kernels for the gate, compiled while the GPU converts (the cache the kit's engines read, device_env.sh).
+( XDG_CACHE_HOME=/tmp/exl3cache python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 --jobs 8 \
+  > $C/nvrtc.log 2>&1 & )
 # The CI fixtures first, whole (converted and their reference logits), then the rest of the set.
 for PART in fixture rest; do
   if [ $PART = fixture ]; then SEL="--set fixture"; else SEL="--set ${SET:-sample} --skip-set fixture"; fi
