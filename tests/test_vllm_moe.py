@@ -54,17 +54,18 @@ def run_vllm(model, tp=1, extra=None):
     return results(proc), proc.stdout + proc.stderr
 
 
-def _pair(tmp_path_factory, name, cfg, bits_map, seed):
+def _pair(tmp_path_factory, name, cfg, bits_map, seed, embed_bits=16):
     """A synthetic EXL3 checkpoint and its fp32 dense twin."""
     root = tmp_path_factory.mktemp(name)
     q, d = str(root / "exl3"), str(root / "dense")
-    synthesize(cfg, q, bits=4, head_bits=6, bits_map=bits_map, seed=seed, also_dense=d, dense_dtype="float32")
+    synthesize(cfg, q, bits=4, head_bits=6, bits_map=bits_map, seed=seed, also_dense=d, dense_dtype="float32",
+               embed_bits=embed_bits)
     return q, d
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    return _pair(tmp_path_factory, "qwen3moe", QWEN_CFG, QWEN_BITS, 1)
+    return _pair(tmp_path_factory, "qwen3moe", QWEN_CFG, QWEN_BITS, 1, embed_bits=3)  # a quantized embedding too
 
 
 @pytest.fixture(scope="module")
