@@ -223,6 +223,45 @@ case("header_metadata_not_strings", SINGLE, "__metadata__")(
 case("header_metadata_list", SINGLE, "__metadata__")(
     lambda tmp: with_header(tmp, lambda h: set_key(h, "__metadata__", ["pt"])))
 
+# Quantized token embedding (exllamav3 --embed_bits): a 2-D trellis [rows, G*(1+16K)] and fp16 signs [G, 256]
+EMB = "model.embed_tokens"
+
+
+def embedding(trellis=None, signs=None, extra=None):
+    """Replace the dense embedding with quantized-embedding tensors (None leaves one out)."""
+    def change(tensors):
+        del tensors[EMB + ".weight"]
+        if trellis is not None:
+            tensors[EMB + ".trellis"] = trellis
+        if signs is not None:
+            tensors[EMB + ".signs"] = signs
+        tensors.update(extra or {})
+    return change
+
+
+_SIGNS = tensor("F16", [1, 256], RNG, values=[1.0, -1.0] * 128)
+case("embed_trellis_int32", SINGLE, EMB + ".trellis", "int16")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I32", [128, 65], RNG), _SIGNS)))
+case("embed_trellis_3d", SINGLE, EMB + ".trellis", "int16 [rows")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I16", [128, 5, 13], RNG), _SIGNS)))
+case("embed_row_width", SINGLE, EMB + ".trellis", "1 + 16K")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I16", [128, 66], RNG), _SIGNS)))
+case("embed_K9", SINGLE, EMB + ".trellis", "K in 1..8")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I16", [128, 145], RNG), _SIGNS)))
+case("embed_no_rows", SINGLE, EMB + ".trellis")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I16", [0, 65], RNG), _SIGNS)))
+case("embed_signs_shape", SINGLE, EMB + ".signs", "[G, 256]")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I16", [128, 65], RNG), tensor("F16", [1, 128], RNG))))
+case("embed_signs_dtype", SINGLE, EMB + ".signs", "fp16")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I16", [128, 65], RNG), tensor("F32", [1, 256], RNG))))
+case("embed_signs_missing", SINGLE, EMB + ".trellis", ".signs are missing")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I16", [128, 65], RNG))))
+case("embed_signs_alone", SINGLE, EMB + ".signs", "without a trellis")(
+    lambda tmp: with_tensors(tmp, embedding(signs=_SIGNS)))
+case("embed_with_suh", SINGLE, EMB + ".suh", "only .trellis and .signs")(
+    lambda tmp: with_tensors(tmp, embedding(tensor("I16", [128, 65], RNG), _SIGNS,
+                                            {EMB + ".suh": tensor("F16", [256], RNG)})))
+
 # EXL3 tensors
 TRELLIS = Q_KEY + ".trellis"
 case("trellis_not_int16", SINGLE, TRELLIS, "int16")(
