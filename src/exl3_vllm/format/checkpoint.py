@@ -428,8 +428,7 @@ class Checkpoint:
             if isinstance(spec, Exl3Spec):
                 vectors = [r for r in ("suh", "svh", "bias") if r in spec.tensors]
             elif isinstance(spec, EmbeddingSpec):
-                t = read_tensor(spec.tensors["trellis"])
-                scales = t.reshape(t.shape[0], spec.hidden // emb.GROUP, -1)[..., 0].contiguous().view(torch.float16)
+                scales = emb.row_scales(read_tensor(spec.tensors["trellis"]), spec.hidden // emb.GROUP)
                 bad = (~torch.isfinite(scales)).any(1).nonzero()
                 if bad.numel():
                     raise Exl3FormatError(f"{bad.numel()} rows have a NaN or Inf scale (first: row {int(bad[0])})",

@@ -33,6 +33,11 @@ def bits_from_row(row_words: int, groups: int, tensor: str | None = None, file: 
     return (per - 1) // 16
 
 
+def row_scales(trellis: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp16 [rows, groups]: each group's scale word."""
+    return trellis.reshape(trellis.shape[0], groups, -1)[..., 0].contiguous().view(torch.float16)
+
+
 def _states(stream: torch.Tensor, bits: int) -> torch.Tensor:
     """16-bit trellis states of each ring position from its words ([..., 16K] int16, bits read LSB first)."""
     words = stream.to(torch.int32) & 0xFFFF

@@ -101,7 +101,8 @@ class Exl3Config(QuantizationConfig):
         if self.checkpoint is not None and self.checkpoint.path == os.path.abspath(path):
             return
         self.checkpoint = Checkpoint(path)
-        for what, why in self.checkpoint.unsupported:
+        if self.checkpoint.unsupported:
+            what, why = self.checkpoint.unsupported[0]
             raise Exl3FormatError(f"the checkpoint has {why}", file=os.path.join(path, what),
                                   fix="serve it with exllamav3, or re-convert without this feature")
         self._resolver = None
@@ -153,7 +154,7 @@ class Exl3Config(QuantizationConfig):
                 if dense is not None and len(dense.shape) == 2 and dense.shape[0] > layer.org_vocab_size:
                     from .embedding_method import padded_dense_head_method
 
-                    return padded_dense_head_method(dense.shape[0])
+                    return padded_dense_head_method()
                 return None
             return compat.unquantized_linear_method()
         if experts_cls is not None and isinstance(layer, experts_cls):

@@ -51,9 +51,7 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         # The 65536 mul1 values (128 KiB): a lookup per weight instead of the integer decode.
         layer.exl3_values = cb.all_values("mul1").to(layer.trellis.device)
-        scales = layer.trellis.data.reshape(layer.trellis.shape[0], -1, layer.trellis.shape[1] // (
-            self.spec.hidden // emb.GROUP))[..., 0].contiguous().view(torch.float16)
-        bad = (~torch.isfinite(scales)).any(1).nonzero()
+        bad = (~torch.isfinite(emb.row_scales(layer.trellis.data, self.spec.hidden // emb.GROUP))).any(1).nonzero()
         if bad.numel():
             raise Exl3FormatError(f"{self.prefix}: {bad.numel()} rows of the quantized embedding (e.g. row "
                                   f"{int(bad[0])} of this rank's) have a NaN or Inf scale",
@@ -74,7 +72,7 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
                               file=self.config.checkpoint.path, fix="the checkpoint must store its own lm_head")
 
 
-def padded_dense_head_method(rows: int):
+def padded_dense_head_method():
     """vLLM's own method for an unquantized head that the converter stored with its rows padded to a multiple of
     128 (`-hb 16`): the padding rows are dropped before vLLM's loader, which wants exactly the vocabulary."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
