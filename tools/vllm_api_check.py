@@ -104,14 +104,24 @@ def _is_abstract(fn) -> bool:
 
 
 class Sources:
-    """The .py files of one vllm wheel, parsed on demand."""
+    """The .py files of one vllm wheel (or of an installed vllm: the directory holding its `vllm/`), parsed on
+    demand."""
 
     def __init__(self, wheel: str):
-        self.zip = zipfile.ZipFile(wheel)
-        self.names = {n for n in self.zip.namelist() if n.endswith(".py")}
+        self.root = wheel if os.path.isdir(wheel) else None
+        if self.root:
+            base = os.path.join(self.root, "vllm")
+            self.names = {os.path.relpath(os.path.join(d, f), self.root) for d, _, fs in os.walk(base)
+                          for f in fs if f.endswith(".py")}
+        else:
+            self.zip = zipfile.ZipFile(wheel)
+            self.names = {n for n in self.zip.namelist() if n.endswith(".py")}
         self._trees: dict[str, ast.Module | None] = {}
 
     def text(self, path: str) -> str:
+        if self.root:
+            with open(os.path.join(self.root, path), encoding="utf-8", errors="replace") as f:
+                return f.read()
         return self.zip.read(path).decode("utf-8", "replace")
 
     def tree(self, module: str) -> tuple[ast.Module | None, str | None]:
