@@ -72,3 +72,11 @@ def test_inspect_verify_reads_the_data_and_names_a_nan(tmp_path, capsys):
         with open(info.file, "r+b") as f:
             f.seek(info.offset + 2 * pos)
             f.write(old)
+
+
+def test_doctor_reports_versions_and_that_vllm_finds_the_plugin(capsys):
+    pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
+    assert cli.main(["doctor", "--json", "--no-compile"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["plugin_entry_point"] == "exl3_vllm.plugin:register" and r["vllm_knows_exl3"] == "Exl3Config"
+    assert r["torch"] and r["vllm"] and r["python"]

@@ -1,4 +1,4 @@
-"""The `exl3-vllm` command: synth, inspect, kernels."""
+"""The `exl3-vllm` command: synth, inspect, kernels, doctor."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from .format.errors import Exl3FormatError
 
 # Subcommand modules, imported lazily so `inspect` never pays for torch.cuda or NVRTC.
-_SUBCOMMANDS = ("exl3_vllm.synth.cli", "exl3_vllm.inspect_cmd", "exl3_vllm.kernels.cli")
+_SUBCOMMANDS = ("exl3_vllm.synth.cli", "exl3_vllm.inspect_cmd", "exl3_vllm.kernels.cli", "exl3_vllm.doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:
