@@ -1,0 +1,29 @@
+"""The wheel users get from `pip install exl3-vllm`: it carries the CUDA sources the kernels compile at run time,
+the `exl3-vllm` command and the entry point vLLM finds the plugin by."""
+
+import glob
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_wheel_has_the_kernel_sources_and_the_entry_points(tmp_path):
+    pytest.importorskip("setuptools")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = glob.glob(str(tmp_path / "exl3_vllm-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    cuda = {os.path.basename(n) for n in names if n.startswith("exl3_vllm/kernels/cuda/")}
+    want = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "src/exl3_vllm/kernels/cuda/*.cu*"))}
+    assert want and want <= cuda, want - cuda
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry).decode()
+    assert "[vllm.general_plugins]" in text and "exl3 = exl3_vllm.plugin:register" in text
+    assert "exl3-vllm = exl3_vllm.cli:main" in text
+    assert not [n for n in names if n.startswith(("tests/", "bench/", "tools/"))]
