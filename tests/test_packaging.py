@@ -3,6 +3,7 @@ the `exl3-vllm` command and the entry point vLLM finds the plugin by."""
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_wheel_has_the_kernel_sources_and_the_entry_points(tmp_path):
     pytest.importorskip("setuptools")
+    src = tmp_path / "src-tree"  # a copy: the build leaves build/ and *.egg-info where it runs
+    shutil.copytree(os.path.join(ROOT, "src"), src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for f in ("pyproject.toml", "README.md", "LICENSE", "NOTICE"):
+        shutil.copy(os.path.join(ROOT, f), src / f)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)
+                           "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = glob.glob(str(tmp_path / "exl3_vllm-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
