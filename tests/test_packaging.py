@@ -1,5 +1,5 @@
 """The wheel users get from `pip install exl3-vllm`: it carries the CUDA sources the kernels compile at run time,
-the `exl3-vllm` command and the entry point vLLM finds the plugin by."""
+the `exl3-vllm` command and the entry point vLLM finds the plugin by; installed beside vLLM, vLLM finds it."""
 
 import glob
 import os
@@ -32,3 +32,18 @@ def test_wheel_has_the_kernel_sources_and_the_entry_points(tmp_path):
     assert "[vllm.general_plugins]" in text and "exl3 = exl3_vllm.plugin:register" in text
     assert "exl3-vllm = exl3_vllm.cli:main" in text
     assert not [n for n in names if n.startswith(("tests/", "bench/", "tools/"))]
+    # Installed from the wheel beside vLLM, vLLM's own plugin loading finds "exl3" (no flags, no source tree).
+    pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
+    site = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), wheel],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    smoke = ("import exl3_vllm, sys; assert exl3_vllm.__file__.startswith(sys.argv[1]), exl3_vllm.__file__\n"
+             "from vllm.plugins import load_general_plugins\n"
+             "from vllm.model_executor.layers.quantization import get_quantization_config\n"
+             "load_general_plugins(); print('FOUND', get_quantization_config('exl3').__name__)")
+    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1")
+    env.pop("VLLM_PLUGINS", None)
+    proc = subprocess.run([sys.executable, "-c", smoke, str(site)], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0 and "FOUND Exl3Config" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
