@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(MODELS))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    tp, hp = os.path.join(args.out, "train.txt"), os.path.join(args.out, "heldout.txt")
+    tp = os.path.join(args.out, "train.txt")
     tdir = os.path.join(args.out, "tokenizer")
     if args.worker:
         train_one(args.worker, tdir, tp, args.out, args.steps, seed=list(MODELS).index(args.worker))
