@@ -7,8 +7,9 @@ set -u
 C=/tmp/corpus
 T0=$(date +%s)
 END=$((T0 + ${BUDGET_S:-560}))
-while [ ! -f $C/DONE ] && [ $(date +%s) -lt $((END - 200)) ] && pgrep -f pipeline.sh > /dev/null; do sleep 10; done
-if [ ! -f $C/DONE ]; then
+# The fixtures' references are enough to start: engines run on what ex3.json lists now, a later call on the rest.
+while [ ! -f $C/FIXTURE_DONE ] && [ $(date +%s) -lt $((END - 200)) ] && pgrep -f pipeline.sh > /dev/null; do sleep 10; done
+if [ ! -f $C/FIXTURE_DONE ]; then
   echo "[gate] corpus not ready"; tail -n 20 $C/log.txt
   WAIT_S=0 PACK_CKPTS=0 bash bench/peer/corpus/collect.sh; exit 1
 fi

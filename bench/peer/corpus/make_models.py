@@ -111,6 +111,8 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
     cfg_path = os.path.join(d, "config.json")
     saved = json.load(open(cfg_path))
     saved.setdefault("rope_theta", COMMON["rope_theta"])  # readers older than transformers 5 look for this key
+    if "num_local_experts" in saved:
+        saved.setdefault("num_experts", saved["num_local_experts"])  # Qwen3-MoE's published key (exllamav3 reads it)
     json.dump(saved, open(cfg_path, "w"), indent=2)
     with open(os.path.join(d, "train.json"), "w") as f:
         json.dump({"steps": steps, "final_loss": outp.loss.item(), "seconds": time.time() - t0,
