@@ -21,7 +21,7 @@ fi
   python3 bench/peer/corpus/gate_vllm.py --corpus $C/exl3 --ref $C/ref --out $C/gate --parallel ${PARALLEL:-4} \
     --deadline $((END - 120)) ${GATE_ARGS:-}
 ) 2>&1 | tee -a $C/gate.log | grep -E "^\[gate\]|NO KIT|Error" | cut -c1-600
-PYTHONPATH=/tmp/site:$C/tree/.peer/src:$PWD/src TORCH_EXTENSIONS_DIR=$C/ext TORCH_CUDA_ARCH_LIST=9.0 \
+PYTHONPATH=$C/extso:/tmp/site:$C/tree/.peer/src:$PWD/src TORCH_EXTENSIONS_DIR=$C/ext TORCH_CUDA_ARCH_LIST=9.0 \
   python3 bench/peer/corpus/compare.py --corpus $C/exl3 --ref $C/ref --gate $C/gate --out $C/gate/gate.json \
   2>&1 | tee -a $C/gate.log | grep -E "^\[compare\]|GATE|Error" | cut -c1-700
 cp $C/gate/gate.json $C/ref/ 2>/dev/null

@@ -7,7 +7,8 @@
 #
 # Needs: carry .peer/src/exllamav3 (the exllamav3 1.6.5 package, see bench/README.md) and .whl (pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions, marisa-trie: what the image lacks).
-# Or set EXT_SO=path of a prebuilt exllamav3_ext*.so to skip the build. Everything lands in /tmp/corpus.
+# Or set EXT_SO=path of a prebuilt exllamav3_ext*.so, or EXT_XZ (below), to skip the build. Everything lands in
+# /tmp/corpus.
 set -u
 C=/tmp/corpus
 mkdir -p $C
@@ -15,13 +16,21 @@ exec > >(tee -a $C/log.txt) 2>&1
 T0=$(date +%s)
 stamp() { echo "[pipeline] $* (t+$(( $(date +%s) - T0 ))s)"; }
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 TORCH_EXTENSIONS_DIR=$C/ext
+for V in EXT_XZ EXT_SO; do [ -n "${!V:-}" ] && declare $V="$(realpath "${!V}")"; done  # before the cd below
 # A private copy of what it runs: later device calls lay the working tree out anew under this process.
 mkdir -p $C/tree/.peer/src && cp -r bench src .whl $C/tree/ && cp -r .peer/src/exllamav3 $C/tree/.peer/src/ \
   && cd $C/tree || { stamp "copy FAILED"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { stamp "wheel install FAILED"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD/.peer/src:$PWD/src
-if [ -n "${EXT_SO:-}" ]; then mkdir -p $C/extso && cp "$EXT_SO" $C/extso/ && export PYTHONPATH=$C/extso:$PYTHONPATH; fi
+# A build an earlier sitting returned (collect.sh PACK_EXT=1): EXT_XZ=folder of its ext.so.xz.partNN, carried.
+if [ -n "${EXT_XZ:-}" ]; then
+  mkdir -p $C/extso && cat "$EXT_XZ"/ext.so.xz.part* | xz -d > $C/extso/exllamav3_ext.so && EXT_SO=$C/extso/exllamav3_ext.so
+fi
+if [ -n "${EXT_SO:-}" ]; then
+  mkdir -p $C/extso && { [ "$EXT_SO" -ef $C/extso/exllamav3_ext.so ] || cp "$EXT_SO" $C/extso/exllamav3_ext.so; } \
+    && export PYTHONPATH=$C/extso:$PYTHONPATH
+fi
 stamp "start set=${SET:-sample} git=$(git rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 ( python3 -c "import exllamav3.ext as e; print('ext', e.exllamav3_ext.__file__)" > $C/build.log 2>&1
