@@ -327,6 +327,30 @@ def test_tune_cache_key_follows_the_tier_set(monkeypatch):
     assert tune.tier_set_tag() != tag
 
 
+def test_a_switched_off_tier_is_never_dispatched_from_a_cached_table(monkeypatch):
+    """A table timed with every tier on, read while EXL3_VLLM_INT8=0 / WGMMA=0 / WS=0 say off: the call takes the
+    static plan among the tiers still on, and the switches key another cache file (timed anew)."""
+    from types import SimpleNamespace
+    from exl3_vllm.kernels import tune
+    d = SimpleNamespace(index=99, arch=90, sms=132, smem_limit=227 * 1024)
+    key = (d.index, tune.layer_key(4096, 4096, 4, 2, [4096]))
+    monkeypatch.setitem(tune._table, key, {1: "i4", 8: "i8", 32: "w32", 64: "w64n:fixed", 128: "x128", 256: "dequant"})
+    monkeypatch.delenv("EXL3_VLLM_TIER", raising=False)
+    plan = lambda m: kop.plan_for(d, m, 4096, 4096, 4, 2, [4096])  # noqa: E731
+    assert [plan(m).tier for m in (1, 8, 32, 64, 128)] == ["i4", "i8", "w32", "w64n", "x128"]
+    tag = tune.tier_set_tag()
+    for var, off in (("EXL3_VLLM_INT8", {1, 8}), ("EXL3_VLLM_WGMMA", {32, 64, 128}), ("EXL3_VLLM_WS", {128})):
+        monkeypatch.setenv(var, "0")
+        assert tune.tier_set_tag() != tag
+        for m in (1, 8, 32, 64, 128):
+            p = plan(m)
+            assert not (m in off and p.tier == tune._table[key][m].split(":")[0]), (var, m, p)
+            t = kop.TIERS[p.tier]
+            assert not (var.endswith("INT8") and t.int8 or var.endswith("WGMMA") and t.wg or t.ws and var.endswith("WS"))
+        assert plan(256).path == "dequant"
+        monkeypatch.delenv(var)
+
+
 def test_tune_buckets_and_candidates():
     """The measured dispatch's row buckets and the paths it times per bucket (no GPU needed to list them)."""
     from types import SimpleNamespace

@@ -296,9 +296,23 @@ _DTYPES = {"xh": torch.float16, "xq": torch.int8, "xmeta": torch.float32, "wscra
 _ZERO = {"counters", "ws_atomic"}
 
 
+def switched_on(choice: str, arch: int) -> bool:
+    """Whether the EXL3_VLLM_INT8 / WGMMA / WS switches allow a measured choice ("<tier>[:opts]" or "dequant")."""
+    tier = TIERS.get(choice.split(":")[0])
+    if tier is None:
+        return True
+    if tier.int8 and os.environ.get("EXL3_VLLM_INT8", "1") == "0":
+        return False
+    return not (tier.ws and not ws_enabled(arch) or tier.wg and not wg_enabled(arch))
+
+
 def plan_for(d: "_Device", m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Plan:
-    """The plan a call on device d runs: EXL3_VLLM_TIER, else the measured choice for m's bucket, else static."""
-    force = os.environ.get("EXL3_VLLM_TIER") or tune.choice(d, m, k, n_total, bits, codebook, sizes) or ""
+    """The plan a call on device d runs: EXL3_VLLM_TIER, else the measured choice for m's bucket unless a switch
+    turned its tier off, else static."""
+    force = os.environ.get("EXL3_VLLM_TIER")
+    if not force:
+        force = tune.choice(d, m, k, n_total, bits, codebook, sizes) or ""
+        force = force if switched_on(force, d.arch) else ""
     return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
 
 

@@ -61,12 +61,13 @@ def layer_key(k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
 
 def tier_set_tag() -> str:
     """A short digest of what the timings depend on besides the device: the kernel sources, the tiers, the split
-    factors and the stream-k switches. A cache file timed by another build of the same version is not read."""
+    factors, the stream-k switches and the tier switches. A cache file timed by another build of the same version is not read."""
     from .nvrtc import _HEADERS, read_source
     from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
     tag = ",".join(sorted(TIERS)) + f";rule{TUNE_RULE}" + (f";splits{split_bucket()}" if split_bucket() > 0 else "")
     tag += ";sk" + "".join(os.environ.get(v, "1") for v in ("EXL3_VLLM_STREAMK", "EXL3_VLLM_STREAMK_DP"))
     tag += ";fx" + os.environ.get("EXL3_VLLM_FUSED_INPUT", "")
+    tag += ";on" + "".join(os.environ.get(f"EXL3_VLLM_{v}", "1") for v in ("INT8", "WGMMA", "WS"))
     h = hashlib.sha1(tag.encode())
     for name in (LINEAR_SOURCE, IO_SOURCE) + _HEADERS:
         h.update(read_source(name))
