@@ -1,4 +1,4 @@
-"""Shared test set-up: import from src/ when the package is not installed; the gpu marker."""
+"""Shared test set-up: import from src/ when the package is not installed; the gpu marker; one NVRTC cache per run."""
 
 import importlib.util
 import os
@@ -21,3 +21,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def nvrtc_cache(tmp_path_factory):
+    """One fresh NVRTC cache for the whole run: the compile check fills it, the SASS budgets read the same modules."""
+    return os.environ.get("EXL3_VLLM_CACHE_DIR") or str(tmp_path_factory.mktemp("nvrtc"))
+
+
+@pytest.fixture
+def progress(request):
+    """Write a line past pytest's capture, so a long test shows where it is."""
+    tr = request.config.pluginmanager.getplugin("terminalreporter")
+
+    def say(line: str) -> None:
+        if tr is not None:
+            tr.write_line(f"    {request.node.name}: {line}")
+    return say

@@ -26,7 +26,7 @@ def _layer(k, n, bits, shards=1, seed=0):
 
 
 @pytest.mark.skipif(not _HAVE_NVRTC, reason="cuda-bindings / nvidia-cuda-nvrtc not installed (pip install cuda-bindings nvidia-cuda-nvrtc)")
-def test_compile_sm90_no_spills(tmp_path, monkeypatch):
+def test_compile_sm90_no_spills(nvrtc_cache, progress, monkeypatch):
     """Every variant (or the CI subset when EXL3_VLLM_CI_FULL is unset) compiles for sm_90 without spills."""
     import os
 
@@ -37,12 +37,11 @@ def test_compile_sm90_no_spills(tmp_path, monkeypatch):
         nvrtc_version()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"NVRTC not usable here: {e}")
-    if not os.environ.get("XDG_CACHE_HOME") and not os.environ.get("EXL3_VLLM_CACHE_DIR"):
-        monkeypatch.setenv("EXL3_VLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EXL3_VLLM_CACHE_DIR", nvrtc_cache)
     import io
     buf = io.StringIO()
     full = os.environ.get("EXL3_VLLM_CI_FULL", "") not in ("", "0")
-    rc = run_compile([90], jobs=os.cpu_count() or 1, subset=not full, out=buf)
+    rc = run_compile([90], jobs=os.cpu_count() or 1, subset=not full, out=buf, progress=progress)
     print(buf.getvalue())
     assert rc == 0, buf.getvalue()
     assert "exl3_gemm_m16_f16" in buf.getvalue()

@@ -51,7 +51,7 @@ def _disassemble(job):
 
 
 @pytest.fixture(scope="module")
-def sass(tmp_path_factory):
+def sass(nvrtc_cache):
     if not _nvrtc_ok():
         pytest.skip("NVRTC not usable here (pip install cuda-bindings nvidia-cuda-nvrtc)")
     from exl3_vllm.kernels.nvrtc import nvrtc_version
@@ -61,9 +61,8 @@ def sass(tmp_path_factory):
         sass_mix.find_nvdisasm()
     except SystemExit:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    cache = os.environ.get("EXL3_VLLM_CACHE_DIR") or str(tmp_path_factory.mktemp("nvrtc"))
     with ProcessPoolExecutor(2) as ex:
-        return dict(ex.map(_disassemble, [(2, cache), (1, cache)]))
+        return dict(ex.map(_disassemble, [(2, nvrtc_cache), (1, nvrtc_cache)]))
 
 
 @pytest.mark.parametrize("cb,kernel", sorted(BUDGETS))

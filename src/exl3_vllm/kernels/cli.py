@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -58,7 +59,8 @@ def jobs_for(archs: list[int], subset: bool, use_cache: bool = True) -> list:
 
 
 def run_compile(archs: list[int], jobs: int = 1, subset: bool = False, use_cache: bool = True,
-                out=sys.stdout) -> int:
+                out=sys.stdout, progress=None) -> int:
+    """Compile every module (or the CI subset) and print each kernel's resources; progress(line) after each module."""
     from .nvrtc import nvrtc_version
     from .variants import TIERS
     todo = jobs_for(archs, subset, use_cache)
@@ -66,11 +68,12 @@ def run_compile(archs: list[int], jobs: int = 1, subset: bool = False, use_cache
           f"{', '.join(f'sm_{a}' for a in archs)} with {jobs} process(es)", file=out)
     t0 = time.time()
     failures = 0
-    if jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as ex:
-            results = list(ex.map(_compile_one, todo))
-    else:
-        results = [_compile_one(j) for j in todo]
+    results = []
+    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else contextlib.nullcontext() as ex:
+        for r in (ex.map(_compile_one, todo) if ex else map(_compile_one, todo)):
+            results.append(r)
+            if progress:
+                progress(f"{len(results)}/{len(todo)} modules compiled ({time.time() - t0:.0f}s)")
     print(f"{'arch':>6} {'module':<28} {'kernel':<24} {'regs':>4} {'smem(dyn)':>9} {'stack':>5} {'spill':>5}", file=out)
     for (source, defines, arch, _), kernels, err, dt, cached in results:
         mod = source.removesuffix(".cu")
