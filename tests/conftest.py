@@ -32,9 +32,9 @@ def nvrtc_cache(tmp_path_factory):
 @pytest.fixture
 def progress(request):
     """Write a line past pytest's capture, so a long test shows where it is."""
-    tr = request.config.pluginmanager.getplugin("terminalreporter")
+    cap = request.config.pluginmanager.getplugin("capturemanager")
 
     def say(line: str) -> None:
-        if tr is not None:
-            tr.write_line(f"    {request.node.name}: {line}")
+        with cap.global_and_fixture_disabled():
+            print(f"\n    {request.node.name}: {line}", end="", flush=True)
     return say
