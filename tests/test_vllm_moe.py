@@ -304,6 +304,7 @@ def test_legacy_sign_vectors_load_expanded(qwen):
 
 
 def test_clear_errors_128_rule_gate_up_mismatch_missing_experts_and_bad_shapes(tmp_path, qwen):
+    from exl3_vllm.plugin.config import Exl3Config
     from exl3_vllm.plugin.moe_method import Exl3MoEMethod
 
     q, _ = qwen
@@ -314,9 +315,17 @@ def test_clear_errors_128_rule_gate_up_mismatch_missing_experts_and_bad_shapes(t
         _load_layer(q, prefix, _FakeExperts(8, 0, 4))
     bad = str(tmp_path / "mixed")
     synthesize(QWEN_CFG, bad, bits=4, seed=3, bits_map={"model.layers.0.mlp.experts.[35].up_proj": 2})
+    # Refused when vLLM reads the config, before any model exists; inspect says the same and exits 1.
+    with pytest.raises(Exl3FormatError, match=r"experts\.3\.gate_proj.*2 routed experts in 1 layer\(s\) whose gate and "
+                                              r"up differ .*here 4 bits mul1 and 2 bits mul1.*one tensor"):
+        _config(bad)
+    assert "whose gate and up differ" in Checkpoint(bad).unsupported[0][1]
+    # The method's own guard, for a config that got past that check.
+    cfg = Exl3Config({"quant_method": "exl3"})
+    cfg.checkpoint = Checkpoint(bad)
     with pytest.raises(Exl3FormatError, match=r"gate and up of an expert differ .*experts 3,5: gate_proj 4 bits "
                                               r"mul1, up_proj 2 bits mul1\).*one w13 tensor"):
-        Exl3MoEMethod(_config(bad), prefix, _FakeExperts(8))
+        Exl3MoEMethod(cfg, prefix, _FakeExperts(8))
     cfg = _config(q)
     for e in (3, 4, 6):
         del cfg.checkpoint.modules[f"{prefix}.{e}.down_proj"]
@@ -407,3 +416,21 @@ def test_expert_tensors_loader_keeps_3d_tensors_whole():
     got = [(n, kw["expert_id"], kw["shard_id"], kw["loaded_weight"].shape) for n, kw in calls]
     assert got == [("w2_trellis", 11, "w2", trellis.shape), ("w13_trellis", 1, "w3", trellis.shape),
                    ("w2_mul1", 1, "w2", torch.Size([]))]
+
+
+def test_engine_refuses_experts_of_mixed_gate_up_k_before_building_the_model(tmp_path):
+    import time
+
+    bad = str(tmp_path / "mixed")
+    synthesize(QWEN_CFG, bad, bits=4, seed=3, bits_map={"model.layers.1.mlp.experts.[35].up_proj": 2})
+    t0 = time.time()
+    proc = run_engine(bad, "float32", PROMPTS[:1], 4, timeout=300)
+    seconds = time.time() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "model.layers.1.mlp.experts.3.gate_proj" in out and "whose gate and up differ" in out, out[-3000:]
+    # Raised while vLLM builds its config (VllmConfig): no layer was built, no weight method ran.
+    assert "create_engine_config" in out and "create_weights" not in out and "FusedMoE" not in out, out[-4000:]
+    ours = proc.stderr.find("EXL3 checkpoint error:")
+    assert ours != -1 and (proc.stderr.find("Traceback") == -1 or ours < proc.stderr.find("Traceback"))
+    print(f"refused in {seconds:.1f} s (engine process start included)")

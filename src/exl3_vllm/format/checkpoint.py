@@ -19,6 +19,8 @@ from .safetensors_io import TensorInfo, read_header, read_tensor
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
 INDEX_FILE = "model.safetensors.index.json"
 NGRAM_FILE = "ngram_embedding.safetensors"
+# An expert's (gate, up) names in checkpoints: Hugging Face's, and Mixtral's w1 / w3.
+EXPERT_GATE_UP = (("gate_proj", "up_proj"), ("w1", "w3"))
 # The converter never lists MTP and vision modules in tensor_storage: their absence there is normal.
 _UNLISTED = re.compile(r"(^|\.)(mtp|visual|vision_tower|vision_model|multi_modal_projector)(\.|$)")
 SINGLE_FILE = "model.safetensors"
@@ -176,8 +178,27 @@ class Checkpoint:
         if os.path.exists(os.path.join(self.path, NGRAM_FILE)):
             self.unsupported.append((NGRAM_FILE, "hashed n-gram embedding tables (exllamav3's --ngram_bits), "
                                                  "which vLLM's models do not read"))
+        self._check_experts()
         self._check_storage()
         self._check_bits()
+
+    def _check_experts(self) -> None:
+        """Routed experts whose gate and up differ in K or codebook (hand-written recipes write them): vLLM fuses
+        every expert's gate and up into one tensor, so the whole checkpoint is refused here, before any model."""
+        bad: dict[str, list[tuple[Exl3Spec, Exl3Spec]]] = {}
+        for key, gate in self.modules.items():
+            pair = next((u for g, u in EXPERT_GATE_UP if key.endswith("." + g)), None)
+            if pair is None or ".experts." not in key or not isinstance(gate, Exl3Spec):
+                continue
+            up = self.modules.get(key[: key.rindex(".") + 1] + pair)
+            if isinstance(up, Exl3Spec) and (gate.bits, gate.codebook) != (up.bits, up.codebook):
+                bad.setdefault(key.rsplit(".experts.", 1)[0], []).append((gate, up))
+        if bad:
+            g, u = next(iter(bad.values()))[0]
+            n = sum(len(v) for v in bad.values())
+            self.unsupported.append((g.key, f"{n} routed experts in {len(bad)} layer(s) whose gate and up differ in K "
+                                            f"or codebook (here {g.bits:g} bits {g.codebook} and {u.bits:g} bits "
+                                            f"{u.codebook}), which vLLM fuses into one tensor"))
 
     # ---- files -------------------------------------------------------------------------------
     def _read_tensor_storage(self) -> dict:

@@ -103,7 +103,9 @@ class Exl3Config(QuantizationConfig):
         self.checkpoint = Checkpoint(path)
         if self.checkpoint.unsupported:
             what, why = self.checkpoint.unsupported[0]
-            raise Exl3FormatError(f"the checkpoint has {why}", file=os.path.join(path, what),
+            in_file = os.path.exists(os.path.join(path, what))
+            raise Exl3FormatError(f"the checkpoint has {why}", file=os.path.join(path, what) if in_file else path,
+                                  tensor=None if in_file else what,
                                   fix="serve it with exllamav3, or re-convert without this feature")
         self._resolver = None
         _log_warnings(self.checkpoint.warnings)
