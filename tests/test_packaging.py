@@ -1,11 +1,13 @@
 """The wheel users get from `pip install exl3-vllm`: it carries the CUDA sources the kernels compile at run time,
-the `exl3-vllm` command and the entry point vLLM finds the plugin by; installed beside vLLM, vLLM finds it."""
+the `exl3-vllm` command, the entry point vLLM finds the plugin by and the package metadata (Python and vLLM ranges);
+installed beside vLLM, vLLM finds it. The source distribution carries the CUDA sources too."""
 
 import glob
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -32,6 +34,21 @@ def test_wheel_has_the_kernel_sources_and_the_entry_points(tmp_path):
     assert "[vllm.general_plugins]" in text and "exl3 = exl3_vllm.plugin:register" in text
     assert "exl3-vllm = exl3_vllm.cli:main" in text
     assert not [n for n in names if n.startswith(("tests/", "bench/", "tools/"))]
+    meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Requires-Python: >=3.10" in meta and "License :: OSI Approved :: MIT License" in meta
+    # The GPU extra asks for the vLLM range that tools/vllm_api_check.py passes (docs/vllm-api.md).
+    assert "Provides-Extra: gpu" in meta and 'Requires-Dist: vllm<0.35,>=0.25; extra == "gpu"' in meta, meta
+    # The source distribution carries the CUDA sources and the notices too.
+    from setuptools import build_meta
+    cwd = os.getcwd()
+    try:
+        os.chdir(src)
+        sdist = os.path.join(src, "dist", build_meta.build_sdist("dist"))
+    finally:
+        os.chdir(cwd)
+    with tarfile.open(sdist) as t:
+        members = {os.path.relpath(m, t.getnames()[0].split("/")[0]) for m in t.getnames()}
+    assert {f"src/exl3_vllm/kernels/cuda/{w}" for w in want} | {"LICENSE", "NOTICE", "pyproject.toml"} <= members
     # Installed from the wheel beside vLLM, vLLM's own plugin loading finds "exl3" (no flags, no source tree).
     pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
     site = tmp_path / "site"
