@@ -1,4 +1,4 @@
-"""The format reference against independent, naive re-derivations of FORMAT.md."""
+"""The format reference against independent, naive re-derivations of docs/format.md."""
 
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ def rand_scale(n, gen):
 
 
 def naive_states(tile: np.ndarray, bits: float) -> list[int]:
-    """Bit-by-bit reading of FORMAT.md 3.2/3.6: ring bit p is bit 31-p%32 of LE uint32 word p//32."""
+    """Bit-by-bit reading of docs/format.md 3.2/3.6: ring bit p is bit 31-p%32 of LE uint32 word p//32."""
     u16 = tile.astype(np.uint16).astype(np.uint64)
     words = [int(u16[2 * m]) | (int(u16[2 * m + 1]) << 16) for m in range(len(u16) // 2)]
     ring = len(words) * 32
@@ -72,7 +72,7 @@ def test_states_overlap_as_a_tail_biting_shift_register(bits):
 
 
 def test_k4_word_layout_example():
-    # FORMAT.md 3.2: int16[2m+1] holds symbols 8m..8m+3, int16[2m] symbols 8m+4..8m+7.
+    # docs/format.md 3.2: int16[2m+1] holds symbols 8m..8m+3, int16[2m] symbols 8m+4..8m+7.
     t = torch.zeros(1, 1, 64, dtype=torch.int16)
     t[0, 0, 1] = 0x1234
     t[0, 0, 0] = 0x5678
@@ -120,7 +120,7 @@ def numpy_mul1(states: np.ndarray) -> np.ndarray:
     return ((1024 + t) * k_inv + k_bias).astype(np.float16)
 
 
-STATS = {  # mean, std, min, max from FORMAT.md 3.5
+STATS = {  # mean, std, min, max from docs/format.md 3.5
     "3inst": (0.0002, 1.24371, -3.957, 3.973),
     "mcg": (0.0, 1.2441, -3.949, 3.949),
     "mul1": (-0.0019, 1.0003, -3.453, 3.348),

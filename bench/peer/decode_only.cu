@@ -1,7 +1,7 @@
 // exl3-vllm peer harness: our own decode-only microbenchmark kernel (not exllamav3 code).
 //
 // Turns EXL3 trellis tiles into fp16 codebook values with no matmul, following the format facts in
-// shared/FORMAT.md section 3 (ring bitstream, uint32 words with ring bit p at bit 31 - p%32, 16-bit
+// docs/format.md section 3 (ring bitstream, uint32 words with ring bit p at bit 31 - p%32, 16-bit
 // state = window ending at the last bit of position j, tail-biting wrap) and section 3.5 (codebooks).
 //
 // One warp per 16x16 tile, 4 consecutive tiles in flight per warp (grid-stride). Lane t decodes trellis positions
@@ -28,7 +28,7 @@ __device__ __forceinline__ int perm_of(int j)
     return 16 * r + c;
 }
 
-// Two codebook values (states s0, s1) as one half2, FORMAT.md 3.5
+// Two codebook values (states s0, s1) as one half2, docs/format.md 3.5
 template <int CB>
 __device__ __forceinline__ half2 cb_pair(uint32_t s0, uint32_t s1)
 {

@@ -158,7 +158,7 @@ def codebooks(ext, dev) -> tuple[dict, dict]:
 
 
 def decode_dump_check(ext, dev) -> dict:
-    """Our decode_only.cu (FORMAT.md section 3 math) against exllamav3's reconstruct(), bitwise."""
+    """Our decode_only.cu (docs/format.md section 3 math) against exllamav3's reconstruct(), bitwise."""
     res = {}
     k, n = 256, 512
     g = torch.Generator(device="cpu").manual_seed(SEED - 1)

@@ -31,7 +31,7 @@ BUILD_DIR = os.path.join(REPO, ".peer", "build")
 LIB_DIR = os.path.join(REPO, ".peer", "lib")
 NAME = "exl3_peer"
 
-# FORMAT.md 5.3: the EXL3 linear path only (paths relative to exllamav3_ext/)
+# exllamav3's EXL3-linear path only, the units listed below (paths relative to exllamav3_ext/)
 # The 27 GEMM instance units (quant/comp_units/exl3_comp_unit_{K}_cb{cb}.cu, _h{1,2,3}.cu) are replaced by
 # generated units (gemm_units(), written under .peer/build/gen) that instantiate exllamav3's exl3_gemm_kernel
 # template for fp16 output only, through its own EXL3_GEMM_KERNEL_INSTANCES macros, and leave the fp32-output

@@ -1,8 +1,8 @@
-"""Independent CPU check of tests/data/exllamav3 against shared/FORMAT.md (sections 2.3, 3, 3.5, 4).
+"""Independent CPU check of tests/data/exllamav3 against docs/format.md (sections 2.3, 3, 3.5, 4).
 
     python bench/peer/verify_fixtures.py tests/data/exllamav3
 
-Recomputes, from the stored trellis only, the 16-bit states (FORMAT 3.1-3.2, 3.6), the codebook values (3.5),
+Recomputes, from the stored trellis only, the 16-bit states (docs/format.md 3.1-3.2, 3.6), the codebook values (3.5),
 W_hat (2.3 steps 1-5, PERM of 3.4) and compares them bit for bit; compares W, had_x and y_m* against a float64
 reference (relative Frobenius error). Prints JSON; exits non-zero if any bit-exact comparison fails."""
 import glob

@@ -23,7 +23,7 @@ def routed_experts_class():
     return RoutedExperts
 
 
-# ---- MoE (RoutedExperts) attributes, as 0.32 names them (VLLM.md E); getattr defaults where one may lack them
+# ---- MoE (RoutedExperts) attributes, as 0.32 names them (docs/vllm-api.md); getattr defaults where one may lack them
 def moe_config(layer):
     """The layer's FusedMoEConfig (FusedMoEMethodBase's constructor argument)."""
     return layer.moe_config

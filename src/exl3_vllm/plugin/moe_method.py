@@ -1,4 +1,4 @@
-"""Exl3MoEMethod: routed experts stored as one EXL3 linear per expert and projection (FORMAT.md 1.7)."""
+"""Exl3MoEMethod: routed experts stored as one EXL3 linear per expert and projection (docs/format.md 1.9)."""
 
 from __future__ import annotations
 
