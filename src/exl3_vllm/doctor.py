@@ -39,6 +39,11 @@ def report(compile_check: bool = True) -> dict:
 
         register()
         out["vllm_knows_exl3"] = get_quantization_config("exl3").__name__
+        from .plugin import compat
+
+        (lo, hi) = compat.CHECKED
+        out["vllm_checked_range"] = (f"{lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}: "
+                                     + ("inside" if compat.version_note() is None else "OUTSIDE"))
     except Exception as e:  # noqa: BLE001
         out["vllm_knows_exl3"] = f"no: {type(e).__name__}: {e}"
     try:

@@ -26,4 +26,7 @@ def register() -> None:
 
     log = logging.getLogger("exl3_vllm")
     errors.on_raise = lambda msg: log.error("EXL3 checkpoint error: %s", msg)
-    from . import config  # noqa: F401  (the import registers the config class)
+    from . import compat, config  # noqa: F401  (the import registers the config class)
+
+    if (note := compat.version_note()) is not None:
+        log.warning(note)

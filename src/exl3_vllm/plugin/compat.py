@@ -1,10 +1,21 @@
-"""Everything that differs between the vLLM versions we support (0.25 and 0.32)."""
+"""Everything that differs between the vLLM versions we support (run on 0.25 and 0.32; 0.25-0.34 checked)."""
 
 from __future__ import annotations
 
 import vllm
 
 VLLM_VERSION = tuple(int(p) for p in vllm.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+# The releases whose sources tools/vllm_api_check.py passes (docs/vllm-api.md); pyproject's gpu extra asks for these.
+CHECKED = ((0, 25), (0, 34))
+
+
+def version_note() -> str | None:
+    """None for a checked vLLM release, else the warning to log once."""
+    (lo, hi), v = CHECKED, VLLM_VERSION[:2]
+    if lo <= v <= hi:
+        return None
+    return (f"vLLM {vllm.__version__} is outside the releases exl3-vllm was checked against ({lo[0]}.{lo[1]} to "
+            f"{hi[0]}.{hi[1]}); it may still work. If loading fails, include `exl3-vllm doctor` in the report.")
 
 
 def unquantized_linear_method():
