@@ -3,6 +3,7 @@ the `exl3-vllm` command, the entry point vLLM finds the plugin by and the packag
 installed beside vLLM, vLLM finds it. The source distribution carries the CUDA sources too."""
 
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -36,8 +37,11 @@ def test_wheel_has_the_kernel_sources_and_the_entry_points(tmp_path):
     assert not [n for n in names if n.startswith(("tests/", "bench/", "tools/"))]
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "Requires-Python: >=3.10" in meta and "License :: OSI Approved :: MIT License" in meta
-    # The GPU extra asks for the vLLM range that tools/vllm_api_check.py passes (docs/vllm-api.md).
+    # The GPU extra asks for the vLLM range that tools/vllm_api_check.py passes (docs/vllm-api.md, compat.CHECKED).
     assert "Provides-Extra: gpu" in meta and 'Requires-Dist: vllm<0.35,>=0.25; extra == "gpu"' in meta, meta
+    if importlib.util.find_spec("vllm") is not None:
+        from exl3_vllm.plugin import compat
+        assert compat.CHECKED == ((0, 25), (0, 34)), "update pyproject's gpu extra with compat.CHECKED"
     # The source distribution carries the CUDA sources and the notices too.
     from setuptools import build_meta
     cwd = os.getcwd()
