@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from exl3_vllm import settings
 from exl3_vllm.format.linear import linear as ref_linear
 from exl3_vllm.kernels import op as kop  # noqa: F401  (registers torch.ops.exl3.linear)
 from exl3_vllm.kernels.nvrtc import parse_ptxas_log
@@ -158,7 +159,7 @@ def test_fused_input_choice(monkeypatch):
 def test_large_m_path_workspace():
     """The large-M path reserves only its weight scratch (no activation buffers)."""
     p = kop.plan(4096, 8192, 28672, 4, 132)
-    assert p.path == "dequant" and p.chunk == kop.DEFAULT_DEQUANT_BYTES // (2 * 8192)
+    assert p.path == "dequant" and p.chunk == settings.get('EXL3_VLLM_DEQUANT_BYTES') // (2 * 8192)
     assert kop._needs(p, 4096, 8192, 28672, 1) == {"wscratch": 8192 * p.chunk}
 
 
@@ -296,7 +297,7 @@ def test_plan_wg_tiers(monkeypatch):
     assert kop.plan(100, 4096, 4096, 4, 132, arch=90).tier == "w128"
     assert kop.plan(100, 4096, 1152, 4, 132, arch=90).tier == "w128n"
     assert kop.plan(500, 4096, 4096, 4, 132, arch=90, force="w128").tier == "w128"
-    assert kop.plan(kop.DEFAULT_LARGE_M + 1, 4096, 4096, 4, 132, arch=90).path == "dequant"
+    assert kop.plan(settings.get('EXL3_VLLM_LARGE_M') + 1, 4096, 4096, 4, 132, arch=90).path == "dequant"
     assert kop.plan(33, 4096, 4096, 4, 132, arch=89).tier == "m64"
     assert kop.plan(33, 4096, 4096, 4, 132, arch=100).tier == "m64"
     monkeypatch.setenv("EXL3_VLLM_WGMMA", "0")

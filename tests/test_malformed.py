@@ -464,6 +464,124 @@ def _path_file(tmp):
 case("path_missing", "nowhere", "directory")(lambda tmp: str(tmp / "nowhere"))
 
 
+# ---- issue 42: markers, JSON type confusion, index aliases, duplicates, zero-sized and absurd shapes ------
+_BEFORE_42 = set(CASES)
+case("mcg_marker_int16", SINGLE, Q_KEY + ".mcg", "int32")(
+    lambda tmp: with_tensors(tmp, lambda ts: setter(Q_KEY + ".mcg", tensor(
+        "I16", [], RNG, values=[0x1FED]))(ts), codebook="mcg"))
+case("mcg_marker_1x1", SINGLE, Q_KEY + ".mcg", "scalar")(
+    lambda tmp: with_tensors(tmp, lambda ts: setter(Q_KEY + ".mcg", tensor(
+        "I32", [1, 1], RNG, values=[MARKER_VALUES["mcg"]]))(ts), codebook="mcg"))
+case("mul1_marker_empty", SINGLE, Q_KEY + ".mul1", "scalar")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".mul1", tensor("I32", [0], RNG))))
+
+
+def _qc(key, value):
+    return lambda d: set_key(d["quantization_config"], key, value)
+
+
+def _top(key, value):
+    return lambda d: set_key(d, key, value)
+
+
+# Every field the reader takes from config.json: a wrong type is refused, never silently skipped.
+for _name, _change, _words in (
+        ("config_bits_string", _qc("bits", "4"), ("bits", "'4'")),
+        ("config_bits_list", _qc("bits", [4]), ("bits",)),
+        ("config_bits_bool", _qc("bits", True), ("bits",)),
+        ("config_quant_method_null", _qc("quant_method", None), ("exl3",)),
+        ("config_hidden_size_list", _top("hidden_size", [256]), ("hidden_size", "[256]")),
+        ("config_hidden_size_string", _top("hidden_size", "256"), ("hidden_size",)),
+        ("config_hidden_size_zero", _top("hidden_size", 0), ("hidden_size",)),
+        ("config_intermediate_size_float", _top("intermediate_size", 512.0), ("intermediate_size",)),
+        ("config_vocab_size_bool", _top("vocab_size", True), ("vocab_size",)),
+        ("config_num_attention_heads_string", _top("num_attention_heads", "4"), ("num_attention_heads",)),
+        ("config_num_key_value_heads_negative", _top("num_key_value_heads", -4), ("num_key_value_heads",)),
+        ("config_head_dim_dict", _top("head_dim", {"value": 64}), ("head_dim",)),
+        ("config_moe_intermediate_size_list", _top("moe_intermediate_size", [128]), ("moe_intermediate_size",)),
+        ("config_shared_expert_size_string", _top("shared_expert_intermediate_size", "x"),
+         ("shared_expert_intermediate_size",)),
+        ("config_text_config_list", _top("text_config", [{"hidden_size": 256}]), ("text_config",)),
+        ("config_text_config_hidden_size_string", _top("text_config", {"hidden_size": "256"}),
+         ("text_config", "hidden_size")),
+):
+    case(_name, CONFIG, *_words)(lambda tmp, _change=_change: with_json(tmp, CONFIG, _change))
+
+case("storage_null", QCFG, "tensor_storage")(
+    lambda tmp: with_json(tmp, QCFG, lambda d: set_key(d, "tensor_storage", None)))
+case("storage_stored_tensors_null", QCFG, Q_KEY, "stored_tensors")(
+    lambda tmp: with_json(tmp, QCFG, lambda d: set_key(d["tensor_storage"][Q_KEY], "stored_tensors", None)))
+case("storage_stored_tensor_entry_not_object", QCFG, Q_KEY + ".suh", "object")(
+    lambda tmp: with_json(tmp, QCFG, lambda d: set_key(d["tensor_storage"][Q_KEY]["stored_tensors"], Q_KEY + ".suh",
+                                                       [256])))
+case("storage_shape_strings", QCFG, Q_KEY + ".suh", "shape")(
+    lambda tmp: with_json(tmp, QCFG, lambda d: set_key(d["tensor_storage"][Q_KEY]["stored_tensors"][Q_KEY + ".suh"],
+                                                       "shape", ["256"])))
+case("storage_shape_floats", QCFG, Q_KEY + ".suh", "shape")(
+    lambda tmp: with_json(tmp, QCFG, lambda d: set_key(d["tensor_storage"][Q_KEY]["stored_tensors"][Q_KEY + ".suh"],
+                                                       "shape", [256.0])))
+case("storage_bits_list", QCFG, Q_KEY, "bits_per_weight")(
+    lambda tmp: with_json(tmp, QCFG, lambda d: set_key(d["tensor_storage"][Q_KEY], "bits_per_weight", [4])))
+case("storage_quant_format_number", QCFG, Q_KEY, "quant_format")(
+    lambda tmp: with_json(tmp, QCFG, lambda d: set_key(d["tensor_storage"][Q_KEY], "quant_format", 3)))
+
+
+def _index_listing_norm_twice(blob):
+    # json.dumps cannot write a duplicate key: splice a first mapping of model.norm.weight (to the other shard) in.
+    text = json.dumps(json.loads(blob))
+    return text.replace('"weight_map": {', f'"weight_map": {{"model.norm.weight": "{SHARD1}", ', 1).encode()
+
+
+case("index_tensor_listed_twice", INDEX, "model.norm.weight", "twice")(
+    lambda tmp: with_file(tmp, INDEX, _index_listing_norm_twice, sharded=True))
+case("index_same_file_two_spellings", INDEX, "./" + SHARD2)(
+    lambda tmp: with_json(tmp, INDEX, lambda d: set_key(d["weight_map"], "model.norm.weight", "./" + SHARD2),
+                          sharded=True))
+case("index_dot_inside_path", INDEX, "sub/./" + SHARD2)(
+    lambda tmp: with_json(tmp, INDEX, lambda d: set_key(d["weight_map"], "model.norm.weight", "sub/./" + SHARD2),
+                          sharded=True))
+
+
+@case("tensor_in_two_shards", O_KEY + ".svh", SHARD1, SHARD2)
+def _two_shards(tmp):
+    ck = make_ckpt(sharded=True)
+    ck.shards[0].append(O_KEY + ".svh")  # also stays in shard 2, where the index places it
+    return ck.write(tmp / "ckpt")
+
+
+def _duplicate_header_name(blob):
+    header, data = split_file(blob)
+    raw = json.dumps(header)
+    dup = json.dumps({"model.norm.weight": header["model.norm.weight"]})[1:-1]
+    return header_blob(raw.replace("{", "{" + dup + ", ", 1).encode(), data)
+
+
+case("header_duplicate_tensor_name", SINGLE, "model.norm.weight", "twice")(
+    lambda tmp: with_file(tmp, SINGLE, _duplicate_header_name))
+case("shard_header_length_beyond_file", SHARD1)(
+    lambda tmp: with_file(tmp, SHARD1, lambda b: struct.pack("<Q", len(b)) + b[8:], sharded=True))
+case("norm_weight_zero_sized", SINGLE, "model.norm.weight", "zero-sized")(
+    lambda tmp: with_tensors(tmp, setter("model.norm.weight", tensor("F16", [0], RNG))))
+case("embed_weight_zero_rows", SINGLE, "model.embed_tokens.weight", "zero-sized")(
+    lambda tmp: with_tensors(tmp, setter("model.embed_tokens.weight", tensor("F16", [0, 256], RNG))))
+case("other_tensor_zero_sized", SINGLE, "model.rotary_emb.inv_freq", "zero-sized")(
+    lambda tmp: with_tensors(tmp, setter("model.rotary_emb.inv_freq", tensor("F32", [0], RNG))))
+# Absurd shapes in a small file: refused from the header (the byte span cannot match), nothing allocated.
+case("trellis_claims_2_40_elements", SINGLE, TRELLIS, "needs")(
+    lambda tmp: with_header(tmp, lambda h: set_key(h[TRELLIS], "shape", [1 << 18, 1 << 18, 16])))
+case("shape_product_2_312", SINGLE, Q_KEY + ".suh", "needs")(
+    lambda tmp: with_header(tmp, lambda h: set_key(h[Q_KEY + ".suh"], "shape", [1 << 39] * 8)))
+case("shape_dim_2_40", SINGLE, Q_KEY + ".suh", "invalid shape")(
+    lambda tmp: with_header(tmp, lambda h: set_key(h[Q_KEY + ".suh"], "shape", [1 << 40])))
+case("dense_zero_times_absurd", SINGLE, "model.norm.weight", "zero-sized")(
+    lambda tmp: with_header(tmp, lambda h: h["model.norm.weight"].update(
+        shape=[0, (1 << 40) - 1], data_offsets=[h["model.norm.weight"]["data_offsets"][0]] * 2)))
+
+
+# The cases issue 42 added: the plugin must refuse each of them as the reader does.
+ISSUE_42 = [n for n in CASES if n not in _BEFORE_42]
+
+
 # ---- the tests -----------------------------------------------------------------------------------
 def test_corpus_is_large_enough():
     assert len(CASES) >= 35
@@ -513,6 +631,27 @@ def test_malformed(name, tmp_path):
         assert s in msg, f"{s!r} not named in: {msg}"
     assert msg == msg.strip() and "\n" not in msg and len(msg) < 2000, msg
     assert snapshot(tmp_path) == before, "the reader wrote into the checkpoint directory"
+
+
+def test_inspect_exits_2_on_new_header_cases(tmp_path, capsys):
+    from exl3_vllm import cli
+
+    for i, name in enumerate(ISSUE_42):
+        path = str(CASES[name][0](tmp_path / str(i)))
+        assert cli.main(["inspect", path]) == 2, name
+        err = capsys.readouterr().err
+        assert err.strip() and "Traceback" not in err, (name, err)
+
+
+def test_plugin_refuses_new_cases_when_reading_the_config(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
+    from exl3_vllm.plugin.config import Exl3Config
+
+    for i, name in enumerate(ISSUE_42):
+        path = str(CASES[name][0](tmp_path / str(i)))
+        with pytest.raises(Exl3FormatError) as info:
+            Exl3Config({"quant_method": "exl3"}).load_checkpoint(path)
+        assert all(s in str(info.value) for s in CASES[name][1]), (name, str(info.value))
 
 
 @pytest.mark.parametrize("sharded", [False, True])

@@ -14,7 +14,7 @@ from . import embedding as emb
 from . import trellis as tr
 from .errors import Exl3FormatError
 from .hadamard import HAD
-from .safetensors_io import TensorInfo, read_header, read_tensor
+from .safetensors_io import TensorInfo, read_header, read_tensor, unique_object
 
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
 INDEX_FILE = "model.safetensors.index.json"
@@ -24,6 +24,10 @@ EXPERT_GATE_UP = (("gate_proj", "up_proj"), ("w1", "w3"))
 # The converter never lists MTP and vision modules in tensor_storage: their absence there is normal.
 _UNLISTED = re.compile(r"(^|\.)(mtp|visual|vision_tower|vision_model|multi_modal_projector)(\.|$)")
 SINGLE_FILE = "model.safetensors"
+# The config.json sizes the reader uses (text_config's when there is one); null means not stated.
+DIM_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
+            "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+POSITIVE_DIMS = ("hidden_size", "num_attention_heads", "vocab_size")
 
 
 @dataclass
@@ -99,10 +103,18 @@ class Exl3Weights:
         return tr.bits_from_width(self.trellis.shape[-1])
 
 
-def _read_json(path: str, what: str) -> dict:
+def _short(value: object) -> str:
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _read_json(path: str, what: str, unique_keys: bool = False) -> dict:
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
+            data = json.loads(f.read().decode("utf-8"),
+                              object_pairs_hook=unique_object(path) if unique_keys else None)
+    except Exl3FormatError:
+        raise
     except FileNotFoundError:
         raise Exl3FormatError(f"{what} is missing", file=path,
                               fix="point at the directory exllamav3's converter wrote") from None
@@ -119,7 +131,7 @@ def _read_json(path: str, what: str) -> dict:
 
 def _inside(root: str, name: object, index_path: str) -> str:
     if not isinstance(name, str) or not name or os.path.isabs(name) or "\\" in name or "\0" in name \
-            or any(part in ("..", "") for part in name.split("/")):
+            or any(part in ("..", ".", "") for part in name.split("/")):
         raise Exl3FormatError(f"weight_map names file {name!r}, which is not a plain relative path "
                               "inside the checkpoint", file=index_path, fix="repair the index")
     path = os.path.join(root, name)
@@ -170,6 +182,7 @@ class Checkpoint:
                                   file=os.path.join(self.path, "config.json"),
                                   fix="this is not an EXL3 checkpoint; convert it with exllamav3 first")
         self.quantization_config = qc
+        self._check_config_types()
         self.tensor_storage = self._read_tensor_storage()
         self.tensors = self._read_tensors()
         self.modules: dict[str, Exl3Spec | DenseSpec] = {}
@@ -181,6 +194,25 @@ class Checkpoint:
         self._check_experts()
         self._check_storage()
         self._check_bits()
+
+    def _check_config_types(self) -> None:
+        """A field of the wrong type in config.json is refused, not skipped: vLLM would fail on it later."""
+        path = os.path.join(self.path, "config.json")
+
+        def fail(what):
+            return Exl3FormatError(what, file=path, fix="repair config.json or re-download it")
+
+        bits = self.quantization_config.get("bits")
+        if bits is not None and type(bits) not in (int, float):  # bools are not numbers here
+            raise fail(f"quantization_config.bits must be a number, found {_short(bits)}")
+        tc = self.config.get("text_config")
+        if tc is not None and not isinstance(tc, dict):
+            raise fail(f"text_config must be an object, found {_short(tc)}")
+        text, where = (tc, "text_config.") if tc is not None else (self.config, "")
+        for key in DIM_KEYS:
+            v, least = text.get(key), 1 if key in POSITIVE_DIMS else 0
+            if v is not None and not (type(v) is int and v >= least):
+                raise fail(f"{where}{key} must be an integer >= {least}, found {_short(v)}")
 
     def _check_experts(self) -> None:
         """Routed experts whose gate and up differ in K or codebook (hand-written recipes write them): vLLM fuses
@@ -218,7 +250,7 @@ class Checkpoint:
     def _read_tensors(self) -> dict[str, TensorInfo]:
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.exists(index):
-            data = _read_json(index, INDEX_FILE)
+            data = _read_json(index, INDEX_FILE, unique_keys=True)
             wmap = data.get("weight_map")
             if not isinstance(wmap, dict) or not wmap:
                 raise Exl3FormatError("index has no weight_map object", file=index, fix="repair the index")
@@ -226,11 +258,18 @@ class Checkpoint:
             for name, fname in wmap.items():
                 files.setdefault(_inside(self.path, fname, index), []).append(name)
             tensors: dict[str, TensorInfo] = {}
+            seen: dict[str, str] = {}  # tensor name -> the first shard whose header has it
             for fpath, names in files.items():
                 if not os.path.isfile(fpath):
                     raise Exl3FormatError(f"shard listed in {INDEX_FILE} is missing", file=fpath,
                                           fix="download every shard the index names")
                 infos, _ = read_header(fpath)
+                # vLLM loads every tensor of every listed shard: a name in two of them is loaded twice.
+                for name in infos:
+                    if seen.setdefault(name, fpath) != fpath:
+                        raise Exl3FormatError(f"the tensor is also in {seen[name]}; two shards hold it",
+                                              file=fpath, tensor=name,
+                                              fix="remove the stale shard or re-download the checkpoint")
                 for name in names:
                     if name not in infos:
                         raise Exl3FormatError(f"{INDEX_FILE} places this tensor in the file, but its header "
@@ -271,6 +310,12 @@ class Checkpoint:
                                       tensor=f"{key}.{some}", fix="the checkpoint is incomplete")
             else:
                 self.modules[key] = DenseSpec(key, parts)
+        dense = [t for m in self.modules.values() if isinstance(m, DenseSpec) for t in m.tensors.values()]
+        for info in dense + list(self.other.values()):
+            # No model has a 0-sized weight: vLLM would fail on the shape, with its own traceback.
+            if 0 in info.shape:
+                raise Exl3FormatError(f"zero-sized tensor {info.dtype}{list(info.shape)}", file=info.file,
+                                      tensor=info.name, fix="the file is damaged; re-download or re-convert it")
 
     def _embedding_spec(self, key: str, parts: dict[str, TensorInfo]) -> EmbeddingSpec:
         t, name = parts["trellis"], f"{key}.trellis"
@@ -385,13 +430,18 @@ class Checkpoint:
             if not isinstance(stored, dict):
                 raise Exl3FormatError("stored_tensors must be an object", file=path, tensor=key)
             for tname, meta in stored.items():
+                if not isinstance(meta, dict):
+                    raise Exl3FormatError(f"a stored_tensors entry must be an object, found {_short(meta)}",
+                                          file=path, tensor=tname, fix="repair or re-download the file")
                 info = self.tensors.get(tname)
                 if info is None:
                     raise Exl3FormatError("tensor_storage lists this tensor but no safetensors file has it",
                                           file=path, tensor=tname, fix="the checkpoint is incomplete")
-                shape = meta.get("shape") if isinstance(meta, dict) else None
-                if shape is not None and (not isinstance(shape, list) or shape != list(info.shape)):
-                    raise Exl3FormatError(f"tensor_storage gives shape {shape} but the file holds "
+                shape = meta.get("shape")
+                # Type-strict: 256.0 or true is not a size, even where Python calls it equal.
+                if shape is not None and (not isinstance(shape, list) or any(type(d) is not int for d in shape)
+                                          or shape != list(info.shape)):
+                    raise Exl3FormatError(f"tensor_storage gives shape {_short(shape)} but the file holds "
                                           f"{list(info.shape)}", file=path, tensor=tname,
                                           fix="the config does not match the tensors")
         for key in self.tensor_storage:

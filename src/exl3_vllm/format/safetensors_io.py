@@ -40,6 +40,19 @@ def _bad(path: str, what: str, tensor: str | None = None) -> Exl3FormatError:
                            fix="the file is damaged or not a safetensors file; re-download or re-convert it")
 
 
+def unique_object(path: str):
+    """A json object_pairs_hook refusing a key given twice (json.loads would keep the last one silently)."""
+    def hook(items: list) -> dict:
+        seen = set()
+        for key, _ in items:
+            if key in seen:
+                raise Exl3FormatError(f"the key {key[:200]!r} appears twice in one object, so which entry holds is "
+                                      "ambiguous", file=path, fix="repair or re-download the file")
+            seen.add(key)
+        return dict(items)
+    return hook
+
+
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and check a safetensors header without reading tensor data."""
     try:
@@ -58,7 +71,9 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise Exl3FormatError(f"cannot read file: {e.strerror or e}", file=path,
                               fix="check that the checkpoint is complete and readable") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_object(path))
+    except Exl3FormatError:
+        raise
     # ValueError also covers integers longer than Python's int_max_str_digits.
     except (ValueError, RecursionError) as e:
         raise _bad(path, f"header is not valid JSON ({type(e).__name__})") from None

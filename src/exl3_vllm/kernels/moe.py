@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 from dataclasses import dataclass
 from typing import List, Sequence
 
 import torch
 
+from .. import settings
 from . import nvrtc
 from .nvrtc import KernelError
 from .op import _DTYPES as _OP_DTYPES, _ZERO, _GemmArgs, _dev, bits_of, deterministic, int8_ok
@@ -48,7 +48,7 @@ def moe_plan(tokens: int, topk: int, n_experts: int, k13: int, n13: int, k2: int
     pairs = tokens * topk
     active = max(1, min(n_experts, pairs))
     avg = pairs / active
-    force = os.environ.get("EXL3_VLLM_TIER", "")
+    force = settings.get("EXL3_VLLM_TIER")
     fp16 = [t for t in TIERS.values() if t.experts and not t.int8 and all(t.smem(b) <= smem_limit for b in bits)]
     if force and force != "dequant":
         if force not in TIERS or not TIERS[force].experts:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .. import settings
+
 _HEADERS = ("exl3_common.cuh", "exl3_input.cuh", "exl3_wgmma.cuh")
 # Fixed options; --use_fast_math is avoided so fp32 arithmetic stays IEEE round-to-nearest.
 _BASE_OPTS = ("-std=c++17", "-Xptxas=-v", "--fmad=true")
@@ -59,7 +61,7 @@ def read_source(name: str) -> bytes:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("EXL3_VLLM_CACHE_DIR")
+    base = settings.get("EXL3_VLLM_CACHE_DIR")
     if base:
         return Path(base) / "kernels"
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -4,56 +4,43 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import threading
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
+from .. import settings
 from . import nvrtc, tune
 from .nvrtc import KernelError
 from .variants import (INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, RECON_SMEM, TIERS, WG_ARCH, for_k, gemm_kernel_name,
                        linear_defines, whole_stages)
 
-# Above this many rows the static plan takes dequantize + cuBLAS (EXL3_VLLM_LARGE_M overrides); the measured
-# dispatch (tune.py) may still pick a fused tier there.
-DEFAULT_LARGE_M = 128
-# Bytes of the dense weight scratch (x's dtype) of the large-M path (EXL3_VLLM_DEQUANT_BYTES overrides).
-DEFAULT_DEQUANT_BYTES = 128 << 20
 
 
 def backend() -> str:
     """'auto' (our kernels on CUDA) or 'reference' (the format reference on any device)."""
-    b = os.environ.get("EXL3_VLLM_BACKEND", "auto").lower()
-    if b not in ("auto", "reference", "kernels"):
-        raise KernelError(f"EXL3_VLLM_BACKEND={b!r} is not one of auto, kernels, reference")
-    return b
+    return settings.get("EXL3_VLLM_BACKEND")
 
 
 def deterministic() -> bool:
-    return os.environ.get("EXL3_VLLM_DETERMINISTIC", "0") not in ("", "0", "false", "False")
+    return settings.get("EXL3_VLLM_DETERMINISTIC")
 
 
 def wg_enabled(arch: int) -> bool:
     """The Hopper wgmma tiers: built for sm_90a only; EXL3_VLLM_WGMMA=0 falls back to the mma.sync tiers."""
-    return arch == WG_ARCH and os.environ.get("EXL3_VLLM_WGMMA", "1") != "0"
+    return arch == WG_ARCH and settings.get("EXL3_VLLM_WGMMA")
 
 
 def ws_enabled(arch: int) -> bool:
     """The warp-specialized Hopper tiers (decode into shared memory); EXL3_VLLM_WS=0 leaves them out of the dispatch."""
-    return wg_enabled(arch) and os.environ.get("EXL3_VLLM_WS", "1") != "0"
+    return wg_enabled(arch) and settings.get("EXL3_VLLM_WS")
 
 
 def pdl_enabled(arch: int) -> bool:
     """The GEMM starts loading its weights while the input transform finishes (programmatic dependent launch, sm_90+);
     EXL3_VLLM_PDL=0 launches it after the transform as usual."""
-    return arch >= 90 and os.environ.get("EXL3_VLLM_PDL", "1") != "0"
-
-
-# Default for EXL3_VLLM_FUSED_INPUT: the most (row, 128-k chunk) pieces of x transformed per resident-block slot when
-# every h8 / h16 block transforms its own rows (bench/results/2026-12-04b-fused-input-h200.md).
-DEFAULT_FUSED_PIECES = 32
+    return arch >= 90 and settings.get("EXL3_VLLM_PDL")
 
 
 def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, smem_limit: int) -> bool:
@@ -62,7 +49,7 @@ def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, sm
     out in one batch of loads ahead of its weights (4 per warp), the repeated work per resident-block slot is small,
     the grid is at most two waves and two blocks still fit an SM. EXL3_VLLM_FUSED_INPUT: that per-slot bound; 0:
     never; "all": wherever x fits (to compare)."""
-    env = os.environ.get("EXL3_VLLM_FUSED_INPUT", str(DEFAULT_FUSED_PIECES))
+    env = settings.raw("EXL3_VLLM_FUSED_INPUT")
     if not (tier.xb and not tier.int8 and not p.stream and env != "0"
             and tier.smem_fx(bits, p.steps_per_split) <= smem_limit // 2 - 1024):
         return False
@@ -83,11 +70,12 @@ def fused_input_work(tier, p: "Plan", m: int, n_total: int) -> tuple[int, int]:
 
 
 def _large_m() -> int:
-    return int(os.environ.get("EXL3_VLLM_LARGE_M", DEFAULT_LARGE_M))
+    """Above this many rows the static plan takes dequantize + cuBLAS; the measured dispatch may still pick a tier."""
+    return settings.get("EXL3_VLLM_LARGE_M")
 
 
 def _dequant_bytes() -> int:
-    return int(os.environ.get("EXL3_VLLM_DEQUANT_BYTES", DEFAULT_DEQUANT_BYTES))
+    return settings.get("EXL3_VLLM_DEQUANT_BYTES")
 
 
 def bits_of(trellis: torch.Tensor) -> float:
@@ -117,7 +105,7 @@ INT8_SEGMENT_STEPS = 1024
 def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
     """The mul1 integer tier: few rows, the row's input transform fits in shared memory, no int32 overflow."""
     return (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit and k <= 65536
-            and os.environ.get("EXL3_VLLM_INT8", "1") != "0")
+            and settings.get("EXL3_VLLM_INT8"))
 
 
 def wg_tier(m: int, bits: float, smem_limit: int, col_align: int):
@@ -149,10 +137,10 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     fixed split-k where that tier would run stream-k; "<tier>:s<N>" runs fixed split-k over N splits.
     """
     col_align = col_align or n_total
-    force = os.environ.get("EXL3_VLLM_TIER", "") if force is None else force
+    force = settings.get("EXL3_VLLM_TIER") if force is None else force
     force, *opts = force.split(":")
     fixed = "fixed" in opts
-    fs = os.environ.get("EXL3_VLLM_SPLITS")
+    fs = settings.get("EXL3_VLLM_SPLITS")
     for o in opts:
         if o != "fixed" and not (o[:1] == "s" and o[1:].isdigit() and int(o[1:]) >= 1):
             raise KernelError(f"tier option ':{o}' is not ':fixed' or ':s<N>' (N >= 1 splits)")
@@ -188,7 +176,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     slots = sms * (2 if tier.threads <= 256 else 1)
     # Just enough splits to fill the resident-block slots once; more splits measured slower (atomics, A re-reads).
     splits = max(1, min(-(-slots // base), ktiles // tier.ks))
-    if fs:
+    if fs is not None:
         splits = max(1, min(int(fs), ktiles // tier.ks))
     if tier.int8:
         splits = max(splits, -(-ktiles // INT8_SEGMENT_STEPS))
@@ -197,8 +185,8 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     splits = -(-ktiles // steps)
     blocks = base * splits
     fill = blocks / (-(-blocks // slots) * slots)
-    if (tier.stream and fill < 0.9 and not fs and not fixed and not deterministic()
-            and os.environ.get("EXL3_VLLM_STREAMK", "1") != "0"):
+    if (tier.stream and fill < 0.9 and fs is None and not fixed and not deterministic()
+            and settings.get("EXL3_VLLM_STREAMK")):
         # A partial last wave (224 column blocks x 2 splits on 264 slots: 85%) idles SMs; stream-k gives every
         # resident block the same number of (column block, stage) units instead.
         units = (n_total // tier.cols) * (ktiles // tier.ks)
@@ -207,7 +195,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
             stream = max(stream, -(-units * tier.ks // INT8_SEGMENT_STEPS))
         # Whole waves of column blocks need no partial sums; only the last partial wave is shared out as units.
         dp = 0
-        if os.environ.get("EXL3_VLLM_STREAMK_DP", "1") != "0" and (not tier.int8 or ktiles <= INT8_SEGMENT_STEPS):
+        if settings.get("EXL3_VLLM_STREAMK_DP") and (not tier.int8 or ktiles <= INT8_SEGMENT_STEPS):
             dp = (n_total // tier.cols) // stream * stream
         return Plan("gemm", tier.name, splits, steps, stream=stream, dp=dp)
     return Plan("gemm", tier.name, splits, steps)
@@ -301,7 +289,7 @@ def switched_on(choice: str, arch: int) -> bool:
     tier = TIERS.get(choice.split(":")[0])
     if tier is None:
         return True
-    if tier.int8 and os.environ.get("EXL3_VLLM_INT8", "1") == "0":
+    if tier.int8 and not settings.get("EXL3_VLLM_INT8"):
         return False
     return not (tier.ws and not ws_enabled(arch) or tier.wg and not wg_enabled(arch))
 
@@ -309,7 +297,7 @@ def switched_on(choice: str, arch: int) -> bool:
 def plan_for(d: "_Device", m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Plan:
     """The plan a call on device d runs: EXL3_VLLM_TIER, else the measured choice for m's bucket unless a switch
     turned its tier off, else static."""
-    force = os.environ.get("EXL3_VLLM_TIER")
+    force = settings.get("EXL3_VLLM_TIER")
     if not force:
         force = tune.choice(d, m, k, n_total, bits, codebook, sizes) or ""
         force = force if switched_on(force, d.arch) else ""

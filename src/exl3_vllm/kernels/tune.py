@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import torch
 
+from .. import settings
 from . import clock
 from .nvrtc import KernelError, cache_dir, nvrtc_version
 
@@ -31,8 +32,6 @@ _ROTATE_BYTES = 192 << 20
 # Buckets up to this many rows are timed on a rested clock (kernels/clock.py): their kernels are decode-bound.
 LIGHT_BUCKET = 256
 
-# Buckets up to this many rows also time other split-k factors (EXL3_VLLM_TUNE_SPLITS overrides, 0: none).
-DEFAULT_SPLIT_BUCKET = 512
 # Which paths a bucket times (candidates, with_splits); part of the cache key, so a new rule re-times.
 TUNE_RULE = 3
 
@@ -43,12 +42,12 @@ _lock = threading.Lock()
 
 def enabled() -> bool:
     from .op import deterministic
-    return os.environ.get("EXL3_VLLM_TUNE", "1") != "0" and not deterministic()
+    return settings.get("EXL3_VLLM_TUNE") and not deterministic()
 
 
 def split_bucket() -> int:
-    """The largest bucket whose best tiers are also timed at other split-k factors (part of the cache key)."""
-    return int(os.environ.get("EXL3_VLLM_TUNE_SPLITS", DEFAULT_SPLIT_BUCKET))
+    """The largest bucket whose best tiers are also timed at other split-k factors (0: none)."""
+    return settings.get("EXL3_VLLM_TUNE_SPLITS")
 
 
 def bucket(m: int) -> int:
@@ -60,14 +59,11 @@ def layer_key(k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
 
 
 def tier_set_tag() -> str:
-    """A short digest of what the timings depend on besides the device: the kernel sources, the tiers, the split
-    factors, the stream-k switches and the tier switches. A cache file timed by another build of the same version is not read."""
+    """A short digest of what the timings depend on besides the device: the kernel sources, the tiers, the timing
+    rule and the settings marked keys_tune (settings.py). A cache file timed by another build is not read."""
     from .nvrtc import _HEADERS, read_source
     from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
-    tag = ",".join(sorted(TIERS)) + f";rule{TUNE_RULE}" + (f";splits{split_bucket()}" if split_bucket() > 0 else "")
-    tag += ";sk" + "".join(os.environ.get(v, "1") for v in ("EXL3_VLLM_STREAMK", "EXL3_VLLM_STREAMK_DP"))
-    tag += ";fx" + os.environ.get("EXL3_VLLM_FUSED_INPUT", "")
-    tag += ";on" + "".join(os.environ.get(f"EXL3_VLLM_{v}", "1") for v in ("INT8", "WGMMA", "WS"))
+    tag = ",".join(sorted(TIERS)) + f";rule{TUNE_RULE};" + settings.tune_digest()
     h = hashlib.sha1(tag.encode())
     for name in (LINEAR_SOURCE, IO_SOURCE) + _HEADERS:
         h.update(read_source(name))

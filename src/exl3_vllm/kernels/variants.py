@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from .. import settings
 
 IO_SOURCE = "exl3_io.cu"
 LINEAR_SOURCE = "exl3_linear.cu"
@@ -129,7 +130,7 @@ def linear_defines(bits: float, codebook: int) -> dict:
                          "half-integer K exists only for mul1, K must be 1..8 or 1.5/2.5/3.5")
     d = {"EXL3_KA": int(bits), "EXL3_HALF": int(bits != int(bits)), "EXL3_CB": int(codebook)}
     # Development A/B of compile-time kernel variants in one process: "NAME=1,OTHER=2" (its own cache key).
-    extra = os.environ.get("EXL3_VLLM_EXTRA_DEFINES", "")
+    extra = settings.get("EXL3_VLLM_EXTRA_DEFINES")
     for item in filter(None, (s.strip() for s in extra.split(","))):
         name, _, value = item.partition("=")
         d[name.strip()] = int(value or 1)

@@ -10,6 +10,7 @@ import torch
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
+from .. import settings
 from ..format.checkpoint import Checkpoint, DenseSpec, EmbeddingSpec, Exl3Spec
 from ..format.errors import Exl3FormatError
 from . import compat
@@ -19,7 +20,7 @@ logger = logging.getLogger("exl3_vllm")
 
 
 def debug_names() -> bool:
-    return os.environ.get("EXL3_VLLM_DEBUG_NAMES", "") not in ("", "0")
+    return settings.get("EXL3_VLLM_DEBUG_NAMES")
 
 
 def _resolve_dir(model: str, revision: str | None) -> str:

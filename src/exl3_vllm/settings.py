@@ -1,0 +1,105 @@
+"""Every EXL3_VLLM_* environment variable, declared once: its default, how it is read, what it does, and whether the
+measured dispatch's cache depends on it. Modules read them only through get(); README's tables list the same set
+(tests/test_settings.py checks both)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class SettingError(ValueError):
+    """An EXL3_VLLM_* variable holds a value it cannot take."""
+
+
+def _on(v: str) -> bool:
+    return v != "0"
+
+
+def _true(v: str) -> bool:
+    return v not in ("", "0", "false", "False")
+
+
+def _choice(*names: str) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        if v.lower() not in names:
+            raise ValueError(f"not one of {', '.join(names)}")
+        return v.lower()
+    return parse
+
+
+def _int(v: str) -> int:
+    return int(v)
+
+
+def _opt_int(v: str) -> int | None:
+    return int(v) if v else None
+
+
+def _text(v: str) -> str:
+    return v
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str
+    parse: Callable[[str], Any]
+    doc: str
+    developer: bool = False  # a knob for measuring and debugging the kernels, not for serving
+    keys_tune: bool = False  # the measured dispatch's timings depend on it: part of its cache key
+
+
+_ALL = (
+    Setting("EXL3_VLLM_BACKEND", "auto", _choice("auto", "kernels", "reference"),
+            "auto: our kernels on CUDA, the format reference elsewhere; reference: the reference on any device"),
+    Setting("EXL3_VLLM_DETERMINISTIC", "0", _true, "no atomics in split-k: bit-identical results run to run"),
+    Setting("EXL3_VLLM_DEBUG_NAMES", "0", _true, "log the checkpoint modules found for every vLLM layer"),
+    Setting("EXL3_VLLM_CACHE_DIR", "", _text, "where compiled kernels and tuning tables go (default "
+            "$XDG_CACHE_HOME/exl3_vllm, else ~/.cache/exl3_vllm)"),
+    Setting("EXL3_VLLM_TUNE", "1", _on, "0: skip the measured dispatch and use the static plan"),
+    Setting("EXL3_VLLM_INT8", "1", _on, "0: no mul1 int8 tiers (i4, i8)", keys_tune=True),
+    Setting("EXL3_VLLM_WGMMA", "1", _on, "0: no Hopper wgmma tiers", keys_tune=True),
+    Setting("EXL3_VLLM_WS", "1", _on, "0: no warp-specialized Hopper tiers (x64, x128, x256)", keys_tune=True),
+    Setting("EXL3_VLLM_STREAMK", "1", _on, "0: fixed split-k only, no stream-k", keys_tune=True),
+    Setting("EXL3_VLLM_STREAMK_DP", "1", _on, "0: stream-k shares out every wave, not only the last",
+            keys_tune=True),
+    Setting("EXL3_VLLM_PDL", "1", _on, "0: launch the GEMM after the input transform (no programmatic dependent "
+            "launch)"),
+    Setting("EXL3_VLLM_TIER", "", _text, "force a tier (or 'dequant'), with ':fixed' or ':s<N>'", developer=True),
+    Setting("EXL3_VLLM_SPLITS", "", _opt_int, "force the split-k factor", developer=True),
+    Setting("EXL3_VLLM_LARGE_M", "128", _int, "rows above which the static plan takes dequantize + cuBLAS",
+            developer=True),
+    Setting("EXL3_VLLM_DEQUANT_BYTES", str(128 << 20), _int, "bytes of the large-M path's weight scratch",
+            developer=True),
+    Setting("EXL3_VLLM_FUSED_INPUT", "32", _text, "h8/h16 transform their own rows of x up to this many pieces "
+            "per slot (32: bench/results/2026-12-04b-fused-input-h200.md); 0: never; all: wherever x fits",
+            developer=True, keys_tune=True),
+    Setting("EXL3_VLLM_TUNE_SPLITS", "512", _int, "the largest row bucket also timed at other split-k factors "
+            "(0: none)", developer=True, keys_tune=True),
+    Setting("EXL3_VLLM_EXTRA_DEFINES", "", _text, "NAME=V,... preprocessor defines added to every kernel compile",
+            developer=True),
+)
+SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
+
+
+def raw(name: str) -> str:
+    """The variable's text, or its default."""
+    return os.environ.get(name, SETTINGS[name].default)
+
+
+def get(name: str) -> Any:
+    """The variable's value, parsed; a value it cannot take raises SettingError naming it."""
+    s = SETTINGS[name]
+    v = raw(name)
+    try:
+        return s.parse(v)
+    except ValueError as e:
+        raise SettingError(f"{name}={v!r} is not valid ({e or 'expected ' + s.parse.__name__.strip('_')}): "
+                           f"{s.doc}") from None
+
+
+def tune_digest() -> str:
+    """The values the measured dispatch's timings depend on, as text for its cache key."""
+    return ";".join(f"{s.name[10:]}={raw(s.name)}" for s in _ALL if s.keys_tune)
