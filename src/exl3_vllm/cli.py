@@ -1,4 +1,4 @@
-"""The `exl3-vllm` command: synth, inspect, kernels, doctor."""
+"""The `exl3-vllm` command: synth, inspect, explain, kernels, doctor."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 from .format.errors import Exl3FormatError
 
 # Subcommand modules, imported lazily so `inspect` never pays for torch.cuda or NVRTC.
-_SUBCOMMANDS = ("exl3_vllm.synth.cli", "exl3_vllm.inspect_cmd", "exl3_vllm.kernels.cli", "exl3_vllm.doctor")
+_SUBCOMMANDS = ("exl3_vllm.synth.cli", "exl3_vllm.inspect_cmd", "exl3_vllm.explain_cmd", "exl3_vllm.kernels.cli",
+                "exl3_vllm.doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ from ..format.checkpoint import Exl3Spec, signs_to_half
 from ..format.errors import Exl3FormatError
 from ..format.hadamard import HAD
 from ..format.reconstruct import w_hat
+from .names import shard_groups
 from .op import exl3_linear, prepare_layer
 
 _QKV = {"q": 0, "k": 1, "v": 2}
@@ -31,17 +32,6 @@ def _kind(layer: torch.nn.Module) -> str:
 def _tp_hint(width: int, tp: int) -> str:
     ok = [d for d in (1, 2, 4, 8, 16) if width % d == 0 and (width // d) % HAD == 0]
     return f"tensor_parallel_size in {ok}" if ok else "tensor_parallel_size 1"
-
-
-def shard_groups(specs: list[Exl3Spec]) -> list[list[int]]:
-    """Runs of adjacent shards that share K and codebook: each run is one trellis and one kernel call."""
-    groups: list[list[int]] = []
-    for i, s in enumerate(specs):
-        if groups and (specs[groups[-1][0]].bits, specs[groups[-1][0]].codebook) == (s.bits, s.codebook):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 class Exl3LinearMethod(LinearMethodBase):

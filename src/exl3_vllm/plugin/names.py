@@ -1,4 +1,4 @@
-"""vLLM module prefixes -> checkpoint module keys."""
+"""vLLM module prefixes -> checkpoint module keys, and which shards of a fused layer share a kernel call."""
 
 from __future__ import annotations
 
@@ -53,3 +53,15 @@ class NameResolver:
         if own or last not in self.packed:
             return [(last, own)]
         return [(s, self.lookup(f"{head}.{s}" if head else s)) for s in self.packed[last]]
+
+
+def shard_groups(specs) -> list[list[int]]:
+    """Runs of adjacent shards of one fused layer that share K and codebook: each run is one trellis and one kernel
+    call."""
+    groups: list[list[int]] = []
+    for i, s in enumerate(specs):
+        if groups and (specs[groups[-1][0]].bits, specs[groups[-1][0]].codebook) == (s.bits, s.codebook):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
