@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from .format.checkpoint import Checkpoint, Exl3Spec
 from .format.codebook import CODEBOOK_IDS
-from .plugin.names import _DEFAULT_PACKED, shard_groups
+from .plugin.names import DEFAULT_PACKED, shard_groups
 
 # Row-parallel under tensor parallelism: their k is split across ranks, every other linear's n.
 _ROW_PARALLEL = ("o_proj", "down_proj", "dense", "out_proj", "w2")
@@ -24,7 +24,7 @@ def kernel_calls(ck: Checkpoint, tp: int = 1) -> dict[tuple, list[str]]:
     layers, used = [], set()
     for key in sorted(specs):
         parent, _, leaf = key.rpartition(".")
-        for names in _DEFAULT_PACKED.values():
+        for names in DEFAULT_PACKED.values():
             keys = [f"{parent}.{n}" if parent else n for n in names]
             if leaf == names[0] and all(k in specs for k in keys):
                 layers.append(keys)

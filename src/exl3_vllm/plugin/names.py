@@ -8,7 +8,7 @@ from ..format.errors import Exl3FormatError
 
 # Wrappers that vLLM and checkpoints add around the same module path.
 _WRAPPERS = ("model.", "language_model.", "lm.", "text_model.")
-_DEFAULT_PACKED = {
+DEFAULT_PACKED = {
     "qkv_proj": ["q_proj", "k_proj", "v_proj"],
     "gate_up_proj": ["gate_proj", "up_proj"],
 }
@@ -30,7 +30,7 @@ class NameResolver:
         self.by_canonical: dict[str, list[str]] = {}
         for k in self.keys:
             self.by_canonical.setdefault(canonical(_SLICE.sub("", k)), []).append(k)
-        self.packed = dict(_DEFAULT_PACKED)
+        self.packed = dict(DEFAULT_PACKED)
         if packed_modules_mapping:
             self.packed.update({k: list(v) for k, v in packed_modules_mapping.items()})
 
