@@ -578,6 +578,54 @@ case("dense_zero_times_absurd", SINGLE, "model.norm.weight", "zero-sized")(
         shape=[0, (1 << 40) - 1], data_offsets=[h["model.norm.weight"]["data_offsets"][0]] * 2)))
 
 
+# ---- data the headers cannot vouch for: Checkpoint() opens these, verify() refuses them ---------------
+VERIFY_CASES: dict = {}
+
+
+def verify_case(name, *must_name):
+    def deco(fn):
+        assert name not in VERIFY_CASES
+        VERIFY_CASES[name] = (fn, must_name)
+        return fn
+    return deco
+
+
+def _vec(dtype, pos, value):
+    """A plausible scale/bias vector (|v| in [0.5, 1.5], random signs, 256 long) with one value set."""
+    v = RNG.uniform(0.5, 1.5, 256) * RNG.choice([-1.0, 1.0], 256)
+    if dtype == "BF16":  # the builder takes bf16 as raw bits
+        v = (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    v[pos] = value
+    return tensor(dtype, [256], RNG, values=v)
+
+
+NAN, INF = float("nan"), float("inf")
+verify_case("suh_nan", SINGLE, Q_KEY + ".suh", "NaN or Inf")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".suh", _vec("F16", 5, NAN))))
+verify_case("suh_inf", SINGLE, Q_KEY + ".suh", "NaN or Inf")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".suh", _vec("F16", 0, INF))))
+verify_case("svh_minus_inf", SINGLE, Q_KEY + ".svh", "NaN or Inf")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".svh", _vec("F16", 255, -INF))))
+verify_case("svh_nan_in_shard", SHARD2, O_KEY + ".svh", "NaN or Inf")(
+    lambda tmp: with_tensors(tmp, setter(O_KEY + ".svh", _vec("F16", 17, NAN)), sharded=True))
+verify_case("bias_nan", SINGLE, Q_KEY + ".bias", "NaN or Inf")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".bias", _vec("F16", 3, NAN)), bias=True))
+verify_case("bias_fp32_inf", SINGLE, Q_KEY + ".bias", "NaN or Inf")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".bias", _vec("F32", 9, INF)), bias=True))
+verify_case("bias_bf16_nan", SINGLE, Q_KEY + ".bias", "NaN or Inf")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".bias", _vec("BF16", 1, 0x7FC0)), bias=True))
+# A whole scale vector of zeros (a zero-filled hole in a download) makes the linear's output 0: refused.
+verify_case("suh_all_zero", SINGLE, Q_KEY + ".suh", "every value is 0")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".suh", tensor("F16", [256], RNG, values=np.zeros(256)))))
+verify_case("svh_all_signed_zero", SINGLE, O_KEY + ".svh", "every value is 0")(
+    lambda tmp: with_tensors(tmp, setter(O_KEY + ".svh", tensor("F16", [256], RNG, values=[0.0, -0.0] * 128))))
+
+# ...and what verify() accepts: tiny-but-finite (subnormal) scales, a single zero channel, an all-zero bias.
+VERIFY_ACCEPTS = {
+    "suh_all_subnormal": setter(Q_KEY + ".suh", tensor("F16", [256], RNG, values=[2.0 ** -24, -(2.0 ** -20)] * 128)),
+    "svh_one_zero": setter(Q_KEY + ".svh", _vec("F16", 7, 0.0)),
+    "bias_all_zero": setter(Q_KEY + ".bias", tensor("F16", [256], RNG, values=np.zeros(256))),
+}
 # The cases issue 42 added: the plugin must refuse each of them as the reader does.
 ISSUE_42 = [n for n in CASES if n not in _BEFORE_42]
 
@@ -631,6 +679,39 @@ def test_malformed(name, tmp_path):
         assert s in msg, f"{s!r} not named in: {msg}"
     assert msg == msg.strip() and "\n" not in msg and len(msg) < 2000, msg
     assert snapshot(tmp_path) == before, "the reader wrote into the checkpoint directory"
+
+
+@pytest.mark.parametrize("name", sorted(VERIFY_CASES))
+def test_verify_refuses_bad_values(name, tmp_path):
+    build, must_name = VERIFY_CASES[name]
+    path = str(build(tmp_path))
+    ckpt = Checkpoint(path)  # header-valid: only the data is wrong
+    with pytest.raises(Exl3FormatError) as info:
+        ckpt.verify()
+    msg = str(info.value)
+    for s in must_name:
+        assert s in msg, f"{s!r} not named in: {msg}"
+    assert "\n" not in msg and len(msg) < 2000, msg
+
+
+@pytest.mark.parametrize("name", sorted(VERIFY_ACCEPTS))
+def test_verify_accepts_tiny_and_partly_zero_values(name, tmp_path):
+    ckpt = Checkpoint(with_tensors(tmp_path, VERIFY_ACCEPTS[name], bias=True))
+    ckpt.verify()
+    assert ckpt.warnings == []
+
+
+@pytest.mark.parametrize("name", ["suh_nan", "bias_bf16_nan", "suh_all_zero"])
+def test_inspect_verify_exits_2_naming_the_tensor(name, tmp_path, capsys):
+    from exl3_vllm import cli
+
+    build, must_name = VERIFY_CASES[name]
+    path = str(build(tmp_path))
+    assert cli.main(["inspect", path]) == 0  # headers alone cannot see it
+    capsys.readouterr()
+    assert cli.main(["inspect", path, "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert all(s in err for s in must_name) and "Traceback" not in err, err
 
 
 def test_inspect_exits_2_on_new_header_cases(tmp_path, capsys):

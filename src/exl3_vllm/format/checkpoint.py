@@ -494,7 +494,8 @@ class Checkpoint:
 
     def verify(self) -> None:
         """Read what the headers cannot vouch for: every scale vector, bias and embedding row scale must be finite
-        (a NaN there makes whole outputs NaN); raises Exl3FormatError naming the first bad tensor."""
+        (a NaN there makes whole outputs NaN), and no suh/svh all zeros (the module's output would be 0; subnormal
+        or single zero scales are fine); raises Exl3FormatError naming the first bad tensor."""
         for key, spec in self.modules.items():
             if isinstance(spec, Exl3Spec):
                 vectors = [r for r in ("suh", "svh", "bias") if r in spec.tensors]
@@ -515,6 +516,10 @@ class Checkpoint:
                     raise Exl3FormatError(f"{int((~torch.isfinite(v)).sum())} NaN or Inf values", file=info.file,
                                           tensor=info.name, fix="the checkpoint is damaged: re-download or "
                                                                 "re-convert it")
+                if role in ("suh", "svh") and not bool(v.any()):
+                    raise Exl3FormatError(f"every value is 0, so {key}'s output would be 0 (a zero-filled hole "
+                                          "in the file?)", file=info.file, tensor=info.name,
+                                          fix="the checkpoint is damaged: re-download or re-convert it")
 
     def tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         info = self.tensors.get(name)
