@@ -51,7 +51,7 @@ def main() -> int:
     dev = torch.device("cuda")
     ms = [int(v) for v in args.ms.split(",")]
     forced = [f.split("@") for f in args.forced.split(",") if f]
-    d = kop._dev(0)
+    d = kop.device_for(0)
     rule = os.environ.get("EXL3_VLLM_FUSED_INPUT")  # the op's rule as set for this run (tuning and tuned rows)
     print("| layer | cb | M | plan | blocks; pieces per slot | fused µs | separate µs | gain µs | decode-only µs |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -40,7 +40,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    d = kop._dev(0)
+    d = kop.device_for(0)
     print("| layer | cb | M | previous rule: pick | µs | whole waves too: pick | µs | speedup |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for spec in a.layers.split(","):

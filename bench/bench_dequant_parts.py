@@ -24,7 +24,7 @@ def parts(k, n, m, bits, cb, copies, reps):
     suh = (torch.randn(k, device=dev) * 0.05).half()
     svh = (torch.randn(n, device=dev) * 0.05).half()
     x = torch.randn(m, k, device=dev).bfloat16()
-    d = kop._dev(0)
+    d = kop.device_for(0)
     kop.prepare(k, n, bits, cb, m, dev)
     lin = d.module(LINEAR_SOURCE, linear_defines(bits, cb))
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731

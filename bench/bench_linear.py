@@ -210,7 +210,7 @@ def main():
                 paths = [("auto", None)]
                 if args.compare and m >= 16 and bits == 4:
                     # The alternatives auto could have taken: the mma.sync tier, the other large-M path.
-                    auto = kop.plan_for(kop._dev(0), m, k, n, bits, cb, [n])
+                    auto = kop.plan_for(kop.device_for(0), m, k, n, bits, cb, [n])
                     alts = ["dequant"] if m >= 64 else []
                     if m <= 128:
                         alts.append(next(t for t in ("m16", "m32", "m64", "m128") if m <= kop.TIERS[t].bm))
@@ -244,7 +244,7 @@ def main():
                     nbytes = tbytes + m * k * 2 + m * n * 2
                     flops = 2 * m * k * n
                     floor = max(nbytes / bw, k * n / decode_rate, flops / gemm_rate)  # bw: bytes moved (read + write) per second
-                    p = kop.plan_for(kop._dev(0), m, k, n, bits, cb, [n]) if not force else force
+                    p = kop.plan_for(kop.device_for(0), m, k, n, bits, cb, [n]) if not force else force
                     row = dict(layer=f"{k}x{n}", K=bits, cb=cbn, M=m, path=pname,
                                plan=str(p) if not force else force, ours_us=round(t_ours, 2), bf16_us=round(tb, 2),
                                speedup=round(tb / t_ours, 3), GBps=round(nbytes / t_ours / 1e3, 1),

@@ -60,7 +60,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device("cuda")
     names = {0: "3inst", 1: "mcg", 2: "mul1"}
-    print(f"PDL {'on' if kop.pdl_enabled(kop._dev(0).arch) else 'off'}")
+    print(f"PDL {'on' if kop.pdl_enabled(kop.device_for(0).arch) else 'off'}")
     print("| layer | cb | M | plan | op µs | GEMM alone µs | transform alone µs | decode-only µs | one tiny kernel µs |")
     print("|---|---|---|---|---|---|---|---|---|")
     z = torch.zeros(1, device=dev)
@@ -73,7 +73,7 @@ def main() -> int:
             dec = graph_time_us([lambda t=t: kop.decode_floor(t, cb) for t in ts], args.reps)
             for m in map(int, args.ms.split(",")):
                 x = torch.randn(m, k, device=dev).bfloat16()
-                p = kop.plan_for(kop._dev(0), m, k, n, args.bits, cb, [n])
+                p = kop.plan_for(kop.device_for(0), m, k, n, args.bits, cb, [n])
 
                 def call(t, keep=None):
                     f = lambda: kop.linear_cuda(x, t, suh, svh, None, [n], cb)  # noqa: E731

@@ -9,6 +9,7 @@ import torch
 
 from exl3_vllm import settings
 from exl3_vllm.format.linear import linear as ref_linear
+from exl3_vllm.kernels import dispatch
 from exl3_vllm.kernels import op as kop  # noqa: F401  (registers torch.ops.exl3.linear)
 from exl3_vllm.kernels.nvrtc import parse_ptxas_log
 from exl3_vllm.kernels.variants import TIERS, all_modules
@@ -192,9 +193,9 @@ def test_plan_int8_segments_within_int32(monkeypatch):
             assert p.tier in ("i4", "i8")
             if p.stream:
                 units = (n // 128) * (k // 16 // 8)
-                assert -(-units // p.stream) * 8 <= kop.INT8_SEGMENT_STEPS, (k, n, m, p)
+                assert -(-units // p.stream) * 8 <= dispatch.INT8_SEGMENT_STEPS, (k, n, m, p)
             else:
-                assert p.steps_per_split <= kop.INT8_SEGMENT_STEPS, (k, n, m, p)
+                assert p.steps_per_split <= dispatch.INT8_SEGMENT_STEPS, (k, n, m, p)
         monkeypatch.delenv("EXL3_VLLM_SPLITS", raising=False)
 
 

@@ -174,7 +174,7 @@ def test_input_staged_layout():
     m, k, S = 37, 512, 2
     x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
     suh = (torch.randn(S, k, device=DEV, generator=gen) * 0.05).half()
-    d = kop._dev(0)
+    d = kop.device_for(0)
     io = d.module(kop.IO_SOURCE, None)
     stream = torch.cuda.current_stream().cuda_stream
     plain, staged = (torch.full((S * m * k,), float("nan"), dtype=torch.float16, device=DEV) for _ in range(2))
@@ -228,7 +228,7 @@ def test_measured_dispatch(tmp_path, monkeypatch):
     trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
     bias = bias.bfloat16()
     w64 = _dense64(trellis, suh, svh, 2, sizes)
-    d = kop._dev(0)
+    d = kop.device_for(0)
     key = (0, tune.layer_key(k, n, 4, 2, sizes))
     tune._table.pop(key, None)
     kop.prepare(k, n, 4, 2, 300, DEV, sizes)

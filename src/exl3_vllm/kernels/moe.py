@@ -13,7 +13,8 @@ import torch
 from .. import settings
 from . import nvrtc
 from .nvrtc import KernelError
-from .op import _DTYPES as _OP_DTYPES, _ZERO, _GemmArgs, _dev, bits_of, deterministic, int8_ok
+from .dispatch import bits_of, deterministic, int8_ok
+from .runtime import BUF_DTYPES, ZERO_BUFS, GemmArgs, device_for
 from .variants import (IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, for_k, gemm_kernel_name, linear_defines,
                        whole_stages)
 
@@ -141,7 +142,7 @@ def _needs(p: MoePlan, pairs: int, k13: int, n13: int, k2: int, n2: int) -> dict
 
 
 # Workspace shared with the dense op (xh, xq, xmeta, counters, ws_atomic) keeps its dtypes; the rest is ours.
-_DTYPES = dict(_OP_DTYPES, moe_pos=torch.int32, moe_rows=torch.int32, moe_blocks=torch.int32, moe_y=torch.int16)
+_DTYPES = dict(BUF_DTYPES, moe_pos=torch.int32, moe_rows=torch.int32, moe_blocks=torch.int32, moe_y=torch.int16)
 
 
 def prepare_moe(w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w2_trellis: List[torch.Tensor],
@@ -151,7 +152,7 @@ def prepare_moe(w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w2_tr
     dev = torch.device(device if device is not None else "cuda")
     if dev.type != "cuda":
         return
-    d = _dev(dev.index if dev.index is not None else torch.cuda.current_device())
+    d = device_for(dev.index if dev.index is not None else torch.cuda.current_device())
     d.module(IO_SOURCE, None)
     d.module(MOE_SOURCE, None)
     bits = [bits_of(t) for t in w13_trellis] + [bits_of(t) for t in w2_trellis]
@@ -167,7 +168,7 @@ def prepare_moe(w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w2_tr
             need[name] = max(need.get(name, 0), v)
     with d.lock:
         for name, v in need.items():
-            d.buf(name, v, _DTYPES[name], zero=name in _ZERO)
+            d.buf(name, v, _DTYPES[name], zero=name in ZERO_BUFS)
 
 
 class _MoeGather(ctypes.Structure):
@@ -200,7 +201,7 @@ def _gemm(d, stream, bf, p: MoePlan, xin, trellis_groups, codebooks, where, svh,
     for g, (tr, cb) in enumerate(zip(trellis_groups, codebooks)):
         bits = bits_of(tr)
         lin = d.module(LINEAR_SOURCE, linear_defines(bits, cb))
-        a = _GemmArgs()
+        a = GemmArgs()
         a.xh, a.trellis, a.svh, a.bias, a.out = xin.data_ptr(), tr.data_ptr(), svh.data_ptr(), 0, y.data_ptr()
         a.ws, a.counters = 0 if ws is None else ws.data_ptr(), counters.data_ptr()
         a.m, a.k, a.n_total = p.rows, k, n
@@ -240,7 +241,7 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     x = x if x.is_contiguous() and x.data_ptr() % 8 == 0 else x.clone(memory_format=torch.contiguous_format)
     inter = n13 // 2
     valid = inter if inter_valid is None or inter_valid < 0 else min(inter_valid, inter)
-    d = _dev(x.device.index)
+    d = device_for(x.device.index)
     cbs = list(w13_codebooks) + list(w2_codebooks)
     p = moe_plan(T, topk, E, k13, n13, k2, n2, bits, cbs, d.sms, d.smem_limit)
     tier = TIERS[p.tier]

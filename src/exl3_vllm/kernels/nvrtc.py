@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import settings
 
-_HEADERS = ("exl3_common.cuh", "exl3_input.cuh", "exl3_wgmma.cuh")
+HEADERS = ("exl3_common.cuh", "exl3_input.cuh", "exl3_wgmma.cuh")
 # Fixed options; --use_fast_math is avoided so fp32 arithmetic stays IEEE round-to-nearest.
 _BASE_OPTS = ("-std=c++17", "-Xptxas=-v", "--fmad=true")
 
@@ -128,7 +128,7 @@ def arch_flag(arch: int) -> str:
 def _key(src: bytes, arch: int, defines: dict) -> str:
     h = hashlib.sha256()
     h.update(src)
-    for hdr in _HEADERS:
+    for hdr in HEADERS:
         h.update(read_source(hdr))
     h.update(repr((arch_flag(arch), sorted(defines.items()), _BASE_OPTS, nvrtc_version())).encode())
     return h.hexdigest()[:32]
@@ -154,9 +154,9 @@ def compile_source(source: str, arch: int, defines: dict | None = None, use_cach
     if arch < 80:
         raise KernelError(f"exl3-vllm kernels need compute capability 8.0 or newer, got sm_{arch}")
     nv = _nvrtc()
-    hdrs = [read_source(h) for h in _HEADERS]
+    hdrs = [read_source(h) for h in HEADERS]
     prog = _check(nv.nvrtcCreateProgram(src, source.encode(), len(hdrs), hdrs,
-                                        [h.encode() for h in _HEADERS]), "nvrtcCreateProgram")
+                                        [h.encode() for h in HEADERS]), "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch_flag(arch)}".encode(), *(o.encode() for o in _BASE_OPTS)]
         opts += [f"-D{k}={v}".encode() for k, v in sorted(defines.items())]

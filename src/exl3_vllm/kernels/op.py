@@ -4,268 +4,21 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
-from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from .. import settings
 from . import nvrtc, tune
+# The decisions live in dispatch.py; the names are re-exported here for callers of this op (tests, bench).
+from .dispatch import (Plan, backend, bits_of, dequant_bytes, deterministic, fused_input, fused_input_work,  # noqa: F401
+                       int8_ok, large_m, mma_tier, pdl_enabled, plan, switched_on, wg_enabled, wg_tier, ws_enabled,
+                       ws_tier)
 from .nvrtc import KernelError
-from .variants import (INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, RECON_SMEM, TIERS, WG_ARCH, for_k, gemm_kernel_name,
+from .runtime import BUF_DTYPES, MAX_SHARDS, ZERO_BUFS, Device, GemmArgs, device_for
+from .variants import (INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, RECON_SMEM, TIERS, gemm_kernel_name,  # noqa: F401
                        linear_defines, whole_stages)
 
-
-
-def backend() -> str:
-    """'auto' (our kernels on CUDA) or 'reference' (the format reference on any device)."""
-    return settings.get("EXL3_VLLM_BACKEND")
-
-
-def deterministic() -> bool:
-    return settings.get("EXL3_VLLM_DETERMINISTIC")
-
-
-def wg_enabled(arch: int) -> bool:
-    """The Hopper wgmma tiers: built for sm_90a only; EXL3_VLLM_WGMMA=0 falls back to the mma.sync tiers."""
-    return arch == WG_ARCH and settings.get("EXL3_VLLM_WGMMA")
-
-
-def ws_enabled(arch: int) -> bool:
-    """The warp-specialized Hopper tiers (decode into shared memory); EXL3_VLLM_WS=0 leaves them out of the dispatch."""
-    return wg_enabled(arch) and settings.get("EXL3_VLLM_WS")
-
-
-def pdl_enabled(arch: int) -> bool:
-    """The GEMM starts loading its weights while the input transform finishes (programmatic dependent launch, sm_90+);
-    EXL3_VLLM_PDL=0 launches it after the transform as usual."""
-    return arch >= 90 and settings.get("EXL3_VLLM_PDL")
-
-
-def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, smem_limit: int) -> bool:
-    """h8 / h16 with fixed split-k transform their own rows of x in the prologue instead of after an input-transform
-    launch. Every column block repeats that work and a block's loop waits for it, so only where a block's pieces go
-    out in one batch of loads ahead of its weights (4 per warp), the repeated work per resident-block slot is small,
-    the grid is at most two waves and two blocks still fit an SM. EXL3_VLLM_FUSED_INPUT: that per-slot bound; 0:
-    never; "all": wherever x fits (to compare)."""
-    env = settings.raw("EXL3_VLLM_FUSED_INPUT")
-    if not (tier.xb and not tier.int8 and not p.stream and env != "0"
-            and tier.smem_fx(bits, p.steps_per_split) <= smem_limit // 2 - 1024):
-        return False
-    if env == "all":
-        return True
-    try:
-        bound = float(env)
-    except ValueError:
-        raise KernelError(f"EXL3_VLLM_FUSED_INPUT={env!r} is not a number of pieces per slot, 0 or 'all'") from None
-    slots = 2 * sms
-    blocks, pieces = fused_input_work(tier, p, m, n_total)
-    return pieces <= 4 * (tier.threads // 32) and blocks * pieces <= bound * slots and blocks <= 2 * slots
-
-
-def fused_input_work(tier, p: "Plan", m: int, n_total: int) -> tuple[int, int]:
-    """(blocks of the grid, (row, 128-k chunk) pieces of x each block transforms) when a plan runs an fx twin."""
-    return (n_total // tier.cols) * p.splits * -(-m // tier.bm), min(m, tier.bm) * (p.steps_per_split // 8)
-
-
-def _large_m() -> int:
-    """Above this many rows the static plan takes dequantize + cuBLAS; the measured dispatch may still pick a tier."""
-    return settings.get("EXL3_VLLM_LARGE_M")
-
-
-def _dequant_bytes() -> int:
-    return settings.get("EXL3_VLLM_DEQUANT_BYTES")
-
-
-def bits_of(trellis: torch.Tensor) -> float:
-    w = trellis.shape[-1]
-    if w % 16 == 0 and 1 <= w // 16 <= 8:
-        return w // 16
-    if w % 16 == 8 and 1 <= w // 16 <= 3:
-        return w // 16 + 0.5
-    raise KernelError(f"trellis last dimension {w} is not 16*K (K=1..8) or 16*K+8 (K=1.5/2.5/3.5)")
-
-
-@dataclass(frozen=True)
-class Plan:
-    path: str             # "gemm" or "dequant"
-    tier: str = ""
-    splits: int = 1
-    steps_per_split: int = 0
-    chunk: int = 0        # columns per dequant chunk
-    stream: int = 0       # >0: stream-k grid size (blocks sharing column-block x stage units evenly)
-    dp: int = 0           # stream-k: column blocks run whole first, in full waves of `stream` blocks
-
-
-# k16 steps one int8-tier segment may sum in int32: |x| <= 127 times a product byte sum <= 1020 per weight, 16384 k.
-INT8_SEGMENT_STEPS = 1024
-
-
-def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
-    """The mul1 integer tier: few rows, the row's input transform fits in shared memory, no int32 overflow."""
-    return (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit and k <= 65536
-            and settings.get("EXL3_VLLM_INT8"))
-
-
-def wg_tier(m: int, bits: float, smem_limit: int, col_align: int):
-    """The Hopper tier for m rows: fewest rows that hold m, then the widest block (x is re-read per column block)."""
-    wgs = [t for t in TIERS.values() if t.wg and not t.ws and t.smem(bits) <= smem_limit and col_align % t.cols == 0]
-    fit = [t for t in wgs if m <= t.bm]
-    return min(fit, key=lambda t: (t.bm, -t.cols)) if fit else max(wgs, key=lambda t: (t.bm, t.cols))
-
-
-def ws_tier(m: int, bits: float, smem_limit: int):
-    """The warp-specialized Hopper tier for m rows: fewest rows that hold m (more rows run as row blocks)."""
-    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit), key=lambda t: t.bm)
-    return next((t for t in fits if m <= t.bm), fits[-1]) if fits else None
-
-
-def mma_tier(m: int, bits: float, smem_limit: int):
-    """The mma.sync tier for m rows (any sm_80+)."""
-    fits = [t for t in TIERS.values() if not t.int8 and not t.wg and not t.xb and t.smem(bits) <= smem_limit]
-    return next((t for t in fits if m <= t.bm), fits[-1])
-
-
-def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | None = None,
-         smem_limit: int = 227 * 1024, codebook: int = -1, arch: int = 0, col_align: int | None = None,
-         force: str | None = None) -> Plan:
-    """How one call runs: tier and split-k factor, or the dequant path with its chunk width.
-
-    col_align: the gcd of the shard widths (a block's columns must lie in one shard); default n_total.
-    force: a tier name or "dequant" (default: EXL3_VLLM_TIER, else the static choice below); "<tier>:fixed" keeps
-    fixed split-k where that tier would run stream-k; "<tier>:s<N>" runs fixed split-k over N splits.
-    """
-    col_align = col_align or n_total
-    force = settings.get("EXL3_VLLM_TIER") if force is None else force
-    force, *opts = force.split(":")
-    fixed = "fixed" in opts
-    fs = settings.get("EXL3_VLLM_SPLITS")
-    for o in opts:
-        if o != "fixed" and not (o[:1] == "s" and o[1:].isdigit() and int(o[1:]) >= 1):
-            raise KernelError(f"tier option ':{o}' is not ':fixed' or ':s<N>' (N >= 1 splits)")
-        if o[:1] == "s":
-            fs = o[1:]
-    if force == "dequant" or (not force and m > _large_m()):
-        cols = max(128, (_dequant_bytes() // (2 * k)) // 128 * 128)
-        return Plan("dequant", chunk=min(cols, max_shard or n_total))
-    if force:
-        if force not in TIERS:
-            raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of {sorted(TIERS)} or 'dequant'")
-        tier = TIERS[force]
-        if tier.int8 and not (codebook == 2 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
-            raise KernelError(f"EXL3_VLLM_TIER={tier.name} needs the mul1 codebook, at most {tier.bm} rows and "
-                              f"4*k + 1024 <= {smem_limit} (got codebook {codebook}, m={m}, k={k})")
-        if tier.wg and arch != WG_ARCH:
-            raise KernelError(f"EXL3_VLLM_TIER={force} needs an sm_{WG_ARCH} GPU (wgmma), this is sm_{arch}")
-        if col_align % tier.cols:
-            raise KernelError(f"EXL3_VLLM_TIER={force} covers {tier.cols} columns per block; this layer's shards "
-                              f"are multiples of {col_align} only (use the 'n' twin, e.g. w64n)")
-    elif int8_ok(m, k, codebook, smem_limit):
-        tier = TIERS["i4"] if m <= TIERS["i4"].bm else TIERS["i8"]
-    elif m <= TIERS["h8"].bm and TIERS["h8"].smem(bits) <= smem_limit:
-        tier = TIERS["h8"]
-    elif wg_enabled(arch):
-        tier = wg_tier(m, bits, smem_limit, col_align)
-    else:
-        tier = mma_tier(m, bits, smem_limit)
-    tier = for_k(tier, k)
-    mblocks = -(-m // tier.bm)
-    ktiles = k // 16
-    base = (n_total // tier.cols) * mblocks
-    slots = sms * (2 if tier.threads <= 256 else 1)
-    # Just enough splits to fill the resident-block slots once; more splits measured slower (atomics, A re-reads).
-    splits = max(1, min(-(-slots // base), ktiles // tier.ks))
-    if fs is not None:
-        splits = max(1, min(int(fs), ktiles // tier.ks))
-    if tier.int8:
-        splits = max(splits, -(-ktiles // INT8_SEGMENT_STEPS))
-    steps = -(-ktiles // splits)
-    steps = -(-steps // tier.ks) * tier.ks
-    splits = -(-ktiles // steps)
-    blocks = base * splits
-    fill = blocks / (-(-blocks // slots) * slots)
-    if (tier.stream and fill < 0.9 and fs is None and not fixed and not deterministic()
-            and settings.get("EXL3_VLLM_STREAMK")):
-        # A partial last wave (224 column blocks x 2 splits on 264 slots: 85%) idles SMs; stream-k gives every
-        # resident block the same number of (column block, stage) units instead.
-        units = (n_total // tier.cols) * (ktiles // tier.ks)
-        stream = max(1, min(slots // mblocks, units))
-        if tier.int8:  # a block's units of one column block are one segment: keep them within the int32 bound
-            stream = max(stream, -(-units * tier.ks // INT8_SEGMENT_STEPS))
-        # Whole waves of column blocks need no partial sums; only the last partial wave is shared out as units.
-        dp = 0
-        if settings.get("EXL3_VLLM_STREAMK_DP") and (not tier.int8 or ktiles <= INT8_SEGMENT_STEPS):
-            dp = (n_total // tier.cols) // stream * stream
-        return Plan("gemm", tier.name, splits, steps, stream=stream, dp=dp)
-    return Plan("gemm", tier.name, splits, steps)
-
-
-class _GemmArgs(ctypes.Structure):
-    _fields_ = [("xh", ctypes.c_uint64), ("trellis", ctypes.c_uint64), ("svh", ctypes.c_uint64),
-                ("bias", ctypes.c_uint64), ("out", ctypes.c_uint64), ("ws", ctypes.c_uint64),
-                ("counters", ctypes.c_uint64), ("m", ctypes.c_int32), ("k", ctypes.c_int32),
-                ("n_total", ctypes.c_int32), ("splits", ctypes.c_int32), ("steps_per_split", ctypes.c_int32),
-                ("mode", ctypes.c_int32), ("nshards", ctypes.c_int32), ("shard_end", ctypes.c_int32 * 8),
-                ("stream", ctypes.c_int32), ("xmeta", ctypes.c_uint64), ("block_expert", ctypes.c_uint64),
-                ("expert_where", ctypes.c_uint64), ("expert_words", ctypes.c_int64), ("group", ctypes.c_int32),
-                ("mblocks", ctypes.c_int32), ("dp", ctypes.c_int32), ("xraw", ctypes.c_uint64),
-                ("suh", ctypes.c_uint64)]
-
-
-MAX_SHARDS = 8
-
-
-class _Device:
-    """Per-device modules and workspace; buffers only grow and old ones stay alive for captured graphs."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.device = torch.device("cuda", index)
-        cap = torch.cuda.get_device_capability(index)
-        self.arch = cap[0] * 10 + cap[1]
-        if self.arch < 80:
-            raise KernelError(f"cuda:{index} is sm_{self.arch}; exl3-vllm kernels need sm_80 or newer "
-                              "(set EXL3_VLLM_BACKEND=reference to run the slow reference instead)")
-        props = torch.cuda.get_device_properties(index)
-        self.sms = props.multi_processor_count
-        self.smem_limit = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
-        self.bufs: dict[str, torch.Tensor] = {}
-        self._old: list[torch.Tensor] = []
-        self.lock = threading.Lock()
-
-    def module(self, source: str, defines: dict | None):
-        mod = nvrtc.loaded(source, self.arch, defines, self.index)
-        if mod is None:
-            if torch.cuda.is_current_stream_capturing():
-                raise KernelError(f"EXL3 kernel module {source} {defines} is not loaded and a CUDA graph is being "
-                                  "captured; call exl3_vllm.kernels.prepare(...) for this layer before capture")
-            mod = nvrtc.load(source, self.arch, defines, self.index)
-        return mod
-
-    def buf(self, name: str, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
-        b = self.bufs.get(name)
-        if b is None or b.numel() < numel:
-            if torch.cuda.is_current_stream_capturing():
-                raise KernelError(f"EXL3 workspace '{name}' needs {numel} elements but {0 if b is None else b.numel()} "
-                                  "are reserved and a CUDA graph is being captured; call "
-                                  "exl3_vllm.kernels.prepare(..., max_m=...) with the largest batch before capture")
-            if b is not None:
-                self._old.append(b)
-            numel = max(numel, 1)
-            b = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.device)
-            self.bufs[name] = b
-        return b
-
-
-_devices: dict[int, _Device] = {}
-
-
-def _dev(index: int) -> _Device:
-    d = _devices.get(index)
-    if d is None:
-        d = _devices[index] = _Device(index)
-    return d
 
 
 def _needs(p: Plan, m: int, k: int, n_total: int, shards: int) -> dict[str, int]:
@@ -279,22 +32,7 @@ def _needs(p: Plan, m: int, k: int, n_total: int, shards: int) -> dict[str, int]
     return need
 
 
-_DTYPES = {"xh": torch.float16, "xq": torch.int8, "xmeta": torch.float32, "wscratch": torch.float16,
-           "counters": torch.int32, "ws_atomic": torch.float32, "ws_slots": torch.float32}
-_ZERO = {"counters", "ws_atomic"}
-
-
-def switched_on(choice: str, arch: int) -> bool:
-    """Whether the EXL3_VLLM_INT8 / WGMMA / WS switches allow a measured choice ("<tier>[:opts]" or "dequant")."""
-    tier = TIERS.get(choice.split(":")[0])
-    if tier is None:
-        return True
-    if tier.int8 and not settings.get("EXL3_VLLM_INT8"):
-        return False
-    return not (tier.ws and not ws_enabled(arch) or tier.wg and not wg_enabled(arch))
-
-
-def plan_for(d: "_Device", m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Plan:
+def plan_for(d: Device, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Plan:
     """The plan a call on device d runs: EXL3_VLLM_TIER, else the measured choice for m's bucket unless a switch
     turned its tier off, else static."""
     force = settings.get("EXL3_VLLM_TIER")
@@ -314,7 +52,7 @@ def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
     dev = torch.device(device if device is not None else "cuda")
     if dev.type != "cuda":
         return
-    d = _dev(dev.index if dev.index is not None else torch.cuda.current_device())
+    d = device_for(dev.index if dev.index is not None else torch.cuda.current_device())
     sizes = list(shard_sizes) if shard_sizes else [n_total]
     shards = len(sizes)
     d.module(IO_SOURCE, None)
@@ -322,7 +60,7 @@ def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
     tune.ensure(d, k, n_total, bits, codebook, sizes, max_m)
     need: dict[str, int] = {}
     # Workspace grows with m within a path, so every m up to 256 and each bucket edge covers all calls.
-    ms = sorted(set(range(1, min(max_m, max(256, _large_m() + 1)) + 1)) |
+    ms = sorted(set(range(1, min(max_m, max(256, large_m() + 1)) + 1)) |
                 {b for b in tune.BUCKETS if b <= max_m} | {max_m})
     for m in ms:
         p = plan_for(d, m, k, n_total, bits, codebook, sizes)
@@ -330,7 +68,7 @@ def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
             need[name] = max(need.get(name, 0), v)
     with d.lock:
         for name, v in need.items():
-            d.buf(name, v, _DTYPES[name], zero=name in _ZERO)
+            d.buf(name, v, BUF_DTYPES[name], zero=name in ZERO_BUFS)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -392,7 +130,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
         return y.reshape(*lead, n_total)
     suh = _aligned(suh)
     svh = _aligned(svh)
-    d = _dev(x.device.index)
+    d = device_for(x.device.index)
     S = len(sizes)
     p = plan_for(d, m, k, n_total, bits, codebook, sizes) if force is None else \
         plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
@@ -433,7 +171,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     if p.splits > 1 or p.stream:
         ws = d.buf("ws_slots", p.splits * m * n_total, torch.float32) if det else \
             d.buf("ws_atomic", m * n_total, torch.float32, zero=True)
-    a = _GemmArgs()
+    a = GemmArgs()
     a.xh, a.trellis, a.svh, a.bias, a.out = xh.data_ptr(), trellis.data_ptr(), svh.data_ptr(), _ptr(bias), y.data_ptr()
     a.ws, a.counters = _ptr(ws), counters.data_ptr()
     a.m, a.k, a.n_total = m, k, n_total
@@ -458,6 +196,9 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
                               ctypes.c_int32(n_total), ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(_ptr(bias)),
                               ctypes.c_uint64(y.data_ptr())])
     return y.reshape(*lead, n_total)
+
+
+tune.run_linear = linear_cuda
 
 
 def launch_input(d, io, stream, x2, suh, xh, m, k, S, staged=False):
@@ -539,7 +280,7 @@ def _linear_fake(x, trellis, suh, svh, bias, shard_sizes, codebook):
 def decode_floor(trellis: torch.Tensor, codebook: int, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode every weight of the trellis into MMA fragments and discard them (benchmark floor)."""
     bits = bits_of(trellis)
-    d = _dev(trellis.device.index)
+    d = device_for(trellis.device.index)
     lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
     blocks = d.sms * 8
     if sink is None:

@@ -22,8 +22,10 @@ from typing import List, Optional
 import torch
 
 from .. import settings
-from . import clock
+from . import clock, nvrtc, variants
+from .dispatch import deterministic, int8_ok, mma_tier, plan, wg_enabled, wg_tier, ws_enabled, ws_tier
 from .nvrtc import KernelError, cache_dir, nvrtc_version
+from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Weight copies rotate through at least this many bytes so small layers are not timed from L2.
@@ -35,13 +37,15 @@ LIGHT_BUCKET = 256
 # Which paths a bucket times (candidates, with_splits); part of the cache key, so a new rule re-times.
 TUNE_RULE = 3
 
+# The linear op whose paths are timed: kernels/op.py sets it when imported (this module never imports op).
+run_linear = None
+
 _table: dict[tuple, dict[int, str]] = {}
 _disk: dict[int, dict] = {}
 _lock = threading.Lock()
 
 
 def enabled() -> bool:
-    from .op import deterministic
     return settings.get("EXL3_VLLM_TUNE") and not deterministic()
 
 
@@ -61,12 +65,10 @@ def layer_key(k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
 def tier_set_tag() -> str:
     """A short digest of what the timings depend on besides the device: the kernel sources, the tiers, the timing
     rule and the settings marked keys_tune (settings.py). A cache file timed by another build is not read."""
-    from .nvrtc import _HEADERS, read_source
-    from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
-    tag = ",".join(sorted(TIERS)) + f";rule{TUNE_RULE};" + settings.tune_digest()
+    tag = ",".join(sorted(variants.TIERS)) + f";rule{TUNE_RULE};" + settings.tune_digest()
     h = hashlib.sha1(tag.encode())
-    for name in (LINEAR_SOURCE, IO_SOURCE) + _HEADERS:
-        h.update(read_source(name))
+    for name in (LINEAR_SOURCE, IO_SOURCE) + nvrtc.HEADERS:
+        h.update(nvrtc.read_source(name))
     return h.hexdigest()[:8]
 
 
@@ -132,8 +134,6 @@ def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: L
 def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) -> list[str]:
     """Every path worth timing for m rows: the int8 tier, the Hopper tiers, the mma.sync tier, dequant (a tier
     re-decodes the weights once per row block, so only blocks near m compete)."""
-    from .op import int8_ok, mma_tier, wg_enabled, wg_tier, ws_enabled, ws_tier
-    from .variants import TIERS
     out = []
     if int8_ok(m, k, codebook, d.smem_limit):
         out += ["i4", "i8"] if m <= TIERS["i4"].bm else ["i8"]
@@ -162,7 +162,6 @@ def with_fixed(d, cands: list[str], m: int, k: int, n_total: int, bits: float, c
                sizes: List[int]) -> list[str]:
     """Each tier that would run stream-k here, also with fixed split-k ("<tier>:fixed"): which is faster depends on
     the layer (stream-k's partial column blocks go through the fp32 workspace)."""
-    from .op import plan
     out = []
     for c in cands:
         out.append(c)
@@ -190,8 +189,6 @@ def with_splits(d, best: list[str], m: int, k: int, n_total: int, bits: float, c
     factors whose grids fill 1..4 whole waves of one block per SM (a tier may fit one or two per SM). Fewer splits
     mean fewer atomics and x re-reads, more mean more resident blocks to hide the decode latency. Factors are listed as
     the plan runs them (a factor that rounds to whole stages of another is timed once)."""
-    from .op import plan
-    from .variants import TIERS
     out = []
     for c in best:
         tier = c.split(":")[0]
@@ -297,8 +294,7 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
 
 def _time_all(x, y, trs, suh, svh, sizes, codebook, b, cands, times) -> None:
     """GPU time of each candidate path into times (a path this layer cannot run is left out)."""
-    from .op import linear_cuda
-    calls = {c: [lambda c=c, t=trs[i % len(trs)]: linear_cuda(x, t, suh if len(sizes) > 1 else suh[0], svh, None,
+    calls = {c: [lambda c=c, t=trs[i % len(trs)]: run_linear(x, t, suh if len(sizes) > 1 else suh[0], svh, None,
                                                               sizes, codebook, out=y, force=c)
                  for i in range(10 if b <= 256 else 4)] for c in cands}
     # Two rounds, each candidate's best kept: the first candidate of a cold start no longer pays the clock ramp.

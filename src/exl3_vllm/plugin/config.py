@@ -19,10 +19,6 @@ from .names import NameResolver, canonical
 logger = logging.getLogger("exl3_vllm")
 
 
-def debug_names() -> bool:
-    return settings.get("EXL3_VLLM_DEBUG_NAMES")
-
-
 def _resolve_dir(model: str, revision: str | None) -> str:
     if os.path.isdir(model):
         return model
@@ -140,7 +136,7 @@ class Exl3Config(QuantizationConfig):
                 raise Exl3FormatError(f"{prefix!r} is a linear layer in vLLM but a quantized embedding table in "
                                       "the checkpoint", file=self.checkpoint.path, tensor=prefix,
                                       fix="the checkpoint does not belong to this model config")
-            if debug_names():
+            if settings.get("EXL3_VLLM_DEBUG_NAMES"):
                 logger.warning("exl3 names: %s -> %s", prefix,
                                ", ".join(f"{n}={getattr(s, 'key', None)}:{type(s).__name__ if s else 'missing'}"
                                          for n, s in specs))

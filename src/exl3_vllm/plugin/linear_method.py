@@ -29,7 +29,7 @@ def _kind(layer: torch.nn.Module) -> str:
     return "column"  # Column, Merged, QKV and Replicated (tp_size 1) all split n, if at all
 
 
-def _tp_hint(width: int, tp: int) -> str:
+def tp_hint(width: int, tp: int) -> str:
     ok = [d for d in (1, 2, 4, 8, 16) if width % d == 0 and (width // d) % HAD == 0]
     return f"tensor_parallel_size in {ok}" if ok else "tensor_parallel_size 1"
 
@@ -81,7 +81,7 @@ class Exl3LinearMethod(LinearMethodBase):
                             f"{self.prefix}: shard {spec.key} is {part} columns per rank at "
                             f"tensor_parallel_size={tp_size}; EXL3 can only split on multiples of 128 columns",
                             file=self.config.checkpoint.path, tensor=spec.key,
-                            fix=f"use {_tp_hint(part * tp_size // max(1, replicas if i else 1), tp_size)}")
+                            fix=f"use {tp_hint(part * tp_size // max(1, replicas if i else 1), tp_size)}")
                     width, start = part, rank * part
                     if start + width > spec.n:
                         raise self._shape_error(spec, f"n={spec.n}", f"{start + width} at rank {tp_rank}")
@@ -93,7 +93,7 @@ class Exl3LinearMethod(LinearMethodBase):
                     f"{self.prefix}: {input_size_per_partition} input rows per rank at "
                     f"tensor_parallel_size={tp_size}; EXL3 can only split on multiples of 128 rows",
                     file=self.config.checkpoint.path, tensor=self.specs[0].key,
-                    fix=f"use {_tp_hint(input_size, tp_size)}")
+                    fix=f"use {tp_hint(input_size, tp_size)}")
             k_param = input_size_per_partition if tp_size > 1 else self.specs[0].k
             k_start = tp_rank * input_size_per_partition if tp_size > 1 else 0
         else:
@@ -164,7 +164,7 @@ class Exl3LinearMethod(LinearMethodBase):
             s = self._shard_index(shard_id)
             spec = self.specs[s]
             src_start, dst_col, width, _ = layer.exl3_plan[s]
-            kind, k0 = layer.exl3_kind, layer.exl3_k_start
+            k0 = layer.exl3_k_start
             w = loaded_weight
             if name in ("mcg", "mul1"):
                 value = int(w.reshape(-1)[0])

@@ -8,14 +8,14 @@ import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
+from .. import settings
 from ..format import codebook as cb
 from ..format.checkpoint import Exl3Spec, signs_to_half
 from ..format.errors import Exl3FormatError
 from ..format.hadamard import HAD
 from ..format.reconstruct import w_hat
 from . import compat
-from .config import debug_names
-from .linear_method import _tp_hint
+from .linear_method import tp_hint
 from .moe_op import ExpertStack, exl3_moe
 from .op import prepare_experts
 
@@ -157,7 +157,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 f"{self.prefix}: the experts' intermediate width {ik} ({self.names['w1']}/{self.names['w3']} "
                 f"columns, {self.names['w2']} rows) is {ik / tp_size:g} per rank at tensor_parallel_size={tp_size}; "
                 "EXL3 can only split on multiples of 128", file=self.path, tensor=g0.key,
-                fix=f"use {_tp_hint(ik, tp_size)}, or --enable-expert-parallel to place whole experts on ranks")
+                fix=f"use {tp_hint(ik, tp_size)}, or --enable-expert-parallel to place whole experts on ranks")
         n_pp = ik // tp_size
         start = tp_rank * n_pp
         local = [None] * num_experts  # local slot -> checkpoint expert
@@ -192,7 +192,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 params[f"{stem}_{r}"] = torch.empty(0, dtype=torch.int16)
             for r in sorted(roles & set(_MARKERS)):
                 params[f"{stem}_{r}"] = torch.empty((), dtype=torch.int32)
-        if debug_names():
+        if settings.get("EXL3_VLLM_DEBUG_NAMES"):
             logger.warning("exl3 experts: %s -> %d of %d experts on this rank (%s), intermediate columns %d-%d of "
                            "%d; (K, codebook) groups: w13 %s, w2 %s", self.prefix, num_experts, self.n_experts,
                            _ranges(local), start, start + n_pp, ik, groups["w13"], groups["w2"])

@@ -1,0 +1,205 @@
+"""The static dispatch: which path, tier and split-k a call of m rows takes (plan), what each tier family can run,
+and the switches that turn families off. Pure decisions on shapes and settings: no GPU, no kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import settings
+from .nvrtc import KernelError
+from .variants import INT8_MAX_M, TIERS, WG_ARCH, for_k
+
+
+def backend() -> str:
+    """'auto' (our kernels on CUDA) or 'reference' (the format reference on any device)."""
+    return settings.get("EXL3_VLLM_BACKEND")
+
+
+def deterministic() -> bool:
+    return settings.get("EXL3_VLLM_DETERMINISTIC")
+
+
+def wg_enabled(arch: int) -> bool:
+    """The Hopper wgmma tiers: built for sm_90a only; EXL3_VLLM_WGMMA=0 falls back to the mma.sync tiers."""
+    return arch == WG_ARCH and settings.get("EXL3_VLLM_WGMMA")
+
+
+def ws_enabled(arch: int) -> bool:
+    """The warp-specialized Hopper tiers (decode into shared memory); EXL3_VLLM_WS=0 leaves them out of the dispatch."""
+    return wg_enabled(arch) and settings.get("EXL3_VLLM_WS")
+
+
+def pdl_enabled(arch: int) -> bool:
+    """The GEMM starts loading its weights while the input transform finishes (programmatic dependent launch, sm_90+);
+    EXL3_VLLM_PDL=0 launches it after the transform as usual."""
+    return arch >= 90 and settings.get("EXL3_VLLM_PDL")
+
+
+def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, smem_limit: int) -> bool:
+    """h8 / h16 with fixed split-k transform their own rows of x in the prologue instead of after an input-transform
+    launch. Every column block repeats that work and a block's loop waits for it, so only where a block's pieces go
+    out in one batch of loads ahead of its weights (4 per warp), the repeated work per resident-block slot is small,
+    the grid is at most two waves and two blocks still fit an SM. EXL3_VLLM_FUSED_INPUT: that per-slot bound; 0:
+    never; "all": wherever x fits (to compare)."""
+    env = settings.raw("EXL3_VLLM_FUSED_INPUT")
+    if not (tier.xb and not tier.int8 and not p.stream and env != "0"
+            and tier.smem_fx(bits, p.steps_per_split) <= smem_limit // 2 - 1024):
+        return False
+    if env == "all":
+        return True
+    try:
+        bound = float(env)
+    except ValueError:
+        raise KernelError(f"EXL3_VLLM_FUSED_INPUT={env!r} is not a number of pieces per slot, 0 or 'all'") from None
+    slots = 2 * sms
+    blocks, pieces = fused_input_work(tier, p, m, n_total)
+    return pieces <= 4 * (tier.threads // 32) and blocks * pieces <= bound * slots and blocks <= 2 * slots
+
+
+def fused_input_work(tier, p: "Plan", m: int, n_total: int) -> tuple[int, int]:
+    """(blocks of the grid, (row, 128-k chunk) pieces of x each block transforms) when a plan runs an fx twin."""
+    return (n_total // tier.cols) * p.splits * -(-m // tier.bm), min(m, tier.bm) * (p.steps_per_split // 8)
+
+
+def large_m() -> int:
+    """Above this many rows the static plan takes dequantize + cuBLAS; the measured dispatch may still pick a tier."""
+    return settings.get("EXL3_VLLM_LARGE_M")
+
+
+def dequant_bytes() -> int:
+    return settings.get("EXL3_VLLM_DEQUANT_BYTES")
+
+
+def bits_of(trellis: torch.Tensor) -> float:
+    w = trellis.shape[-1]
+    if w % 16 == 0 and 1 <= w // 16 <= 8:
+        return w // 16
+    if w % 16 == 8 and 1 <= w // 16 <= 3:
+        return w // 16 + 0.5
+    raise KernelError(f"trellis last dimension {w} is not 16*K (K=1..8) or 16*K+8 (K=1.5/2.5/3.5)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str             # "gemm" or "dequant"
+    tier: str = ""
+    splits: int = 1
+    steps_per_split: int = 0
+    chunk: int = 0        # columns per dequant chunk
+    stream: int = 0       # >0: stream-k grid size (blocks sharing column-block x stage units evenly)
+    dp: int = 0           # stream-k: column blocks run whole first, in full waves of `stream` blocks
+
+
+# k16 steps one int8-tier segment may sum in int32: |x| <= 127 times a product byte sum <= 1020 per weight, 16384 k.
+INT8_SEGMENT_STEPS = 1024
+
+
+def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
+    """The mul1 integer tier: few rows, the row's input transform fits in shared memory, no int32 overflow."""
+    return (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit and k <= 65536
+            and settings.get("EXL3_VLLM_INT8"))
+
+
+def wg_tier(m: int, bits: float, smem_limit: int, col_align: int):
+    """The Hopper tier for m rows: fewest rows that hold m, then the widest block (x is re-read per column block)."""
+    wgs = [t for t in TIERS.values() if t.wg and not t.ws and t.smem(bits) <= smem_limit and col_align % t.cols == 0]
+    fit = [t for t in wgs if m <= t.bm]
+    return min(fit, key=lambda t: (t.bm, -t.cols)) if fit else max(wgs, key=lambda t: (t.bm, t.cols))
+
+
+def ws_tier(m: int, bits: float, smem_limit: int):
+    """The warp-specialized Hopper tier for m rows: fewest rows that hold m (more rows run as row blocks)."""
+    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit), key=lambda t: t.bm)
+    return next((t for t in fits if m <= t.bm), fits[-1]) if fits else None
+
+
+def mma_tier(m: int, bits: float, smem_limit: int):
+    """The mma.sync tier for m rows (any sm_80+)."""
+    fits = [t for t in TIERS.values() if not t.int8 and not t.wg and not t.xb and t.smem(bits) <= smem_limit]
+    return next((t for t in fits if m <= t.bm), fits[-1])
+
+
+def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | None = None,
+         smem_limit: int = 227 * 1024, codebook: int = -1, arch: int = 0, col_align: int | None = None,
+         force: str | None = None) -> Plan:
+    """How one call runs: tier and split-k factor, or the dequant path with its chunk width.
+
+    col_align: the gcd of the shard widths (a block's columns must lie in one shard); default n_total.
+    force: a tier name or "dequant" (default: EXL3_VLLM_TIER, else the static choice below); "<tier>:fixed" keeps
+    fixed split-k where that tier would run stream-k; "<tier>:s<N>" runs fixed split-k over N splits.
+    """
+    col_align = col_align or n_total
+    force = settings.get("EXL3_VLLM_TIER") if force is None else force
+    force, *opts = force.split(":")
+    fixed = "fixed" in opts
+    fs = settings.get("EXL3_VLLM_SPLITS")
+    for o in opts:
+        if o != "fixed" and not (o[:1] == "s" and o[1:].isdigit() and int(o[1:]) >= 1):
+            raise KernelError(f"tier option ':{o}' is not ':fixed' or ':s<N>' (N >= 1 splits)")
+        if o[:1] == "s":
+            fs = o[1:]
+    if force == "dequant" or (not force and m > large_m()):
+        cols = max(128, (dequant_bytes() // (2 * k)) // 128 * 128)
+        return Plan("dequant", chunk=min(cols, max_shard or n_total))
+    if force:
+        if force not in TIERS:
+            raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of {sorted(TIERS)} or 'dequant'")
+        tier = TIERS[force]
+        if tier.int8 and not (codebook == 2 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
+            raise KernelError(f"EXL3_VLLM_TIER={tier.name} needs the mul1 codebook, at most {tier.bm} rows and "
+                              f"4*k + 1024 <= {smem_limit} (got codebook {codebook}, m={m}, k={k})")
+        if tier.wg and arch != WG_ARCH:
+            raise KernelError(f"EXL3_VLLM_TIER={force} needs an sm_{WG_ARCH} GPU (wgmma), this is sm_{arch}")
+        if col_align % tier.cols:
+            raise KernelError(f"EXL3_VLLM_TIER={force} covers {tier.cols} columns per block; this layer's shards "
+                              f"are multiples of {col_align} only (use the 'n' twin, e.g. w64n)")
+    elif int8_ok(m, k, codebook, smem_limit):
+        tier = TIERS["i4"] if m <= TIERS["i4"].bm else TIERS["i8"]
+    elif m <= TIERS["h8"].bm and TIERS["h8"].smem(bits) <= smem_limit:
+        tier = TIERS["h8"]
+    elif wg_enabled(arch):
+        tier = wg_tier(m, bits, smem_limit, col_align)
+    else:
+        tier = mma_tier(m, bits, smem_limit)
+    tier = for_k(tier, k)
+    mblocks = -(-m // tier.bm)
+    ktiles = k // 16
+    base = (n_total // tier.cols) * mblocks
+    slots = sms * (2 if tier.threads <= 256 else 1)
+    # Just enough splits to fill the resident-block slots once; more splits measured slower (atomics, A re-reads).
+    splits = max(1, min(-(-slots // base), ktiles // tier.ks))
+    if fs is not None:
+        splits = max(1, min(int(fs), ktiles // tier.ks))
+    if tier.int8:
+        splits = max(splits, -(-ktiles // INT8_SEGMENT_STEPS))
+    steps = -(-ktiles // splits)
+    steps = -(-steps // tier.ks) * tier.ks
+    splits = -(-ktiles // steps)
+    blocks = base * splits
+    fill = blocks / (-(-blocks // slots) * slots)
+    if (tier.stream and fill < 0.9 and fs is None and not fixed and not deterministic()
+            and settings.get("EXL3_VLLM_STREAMK")):
+        # A partial last wave (224 column blocks x 2 splits on 264 slots: 85%) idles SMs; stream-k gives every
+        # resident block the same number of (column block, stage) units instead.
+        units = (n_total // tier.cols) * (ktiles // tier.ks)
+        stream = max(1, min(slots // mblocks, units))
+        if tier.int8:  # a block's units of one column block are one segment: keep them within the int32 bound
+            stream = max(stream, -(-units * tier.ks // INT8_SEGMENT_STEPS))
+        # Whole waves of column blocks need no partial sums; only the last partial wave is shared out as units.
+        dp = 0
+        if settings.get("EXL3_VLLM_STREAMK_DP") and (not tier.int8 or ktiles <= INT8_SEGMENT_STEPS):
+            dp = (n_total // tier.cols) // stream * stream
+        return Plan("gemm", tier.name, splits, steps, stream=stream, dp=dp)
+    return Plan("gemm", tier.name, splits, steps)
+
+
+def switched_on(choice: str, arch: int) -> bool:
+    """Whether the EXL3_VLLM_INT8 / WGMMA / WS switches allow a measured choice ("<tier>[:opts]" or "dequant")."""
+    tier = TIERS.get(choice.split(":")[0])
+    if tier is None:
+        return True
+    if tier.int8 and not settings.get("EXL3_VLLM_INT8"):
+        return False
+    return not (tier.ws and not ws_enabled(arch) or tier.wg and not wg_enabled(arch))
