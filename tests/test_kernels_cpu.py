@@ -62,7 +62,7 @@ def test_overlap_probe_compiles(tmp_path, monkeypatch):
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"NVRTC not usable here: {e}")
     monkeypatch.setenv("EXL3_VLLM_CACHE_DIR", str(tmp_path))
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "experiments"))
     try:
         from probe_overlap import compile_probe
     finally:

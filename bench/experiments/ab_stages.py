@@ -3,7 +3,7 @@
 rotating weight copies (bench_linear.py's method), 4-bit, bf16 x. The last column is the relative difference of the
 two sides' outputs (a different k-warp partition of the steps, so not zero).
 
-python bench/ab_stages.py --layers 4096x4096,28672x8192 --ms 1,4,8,16
+python bench/experiments/ab_stages.py --layers 4096x4096,28672x8192 --ms 1,4,8,16
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import torch
 
 os.environ["EXL3_VLLM_TUNE"] = "0"  # forced plans only: no load-time tuning
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402
 from bench_small_m_parts import layer_copies  # noqa: E402

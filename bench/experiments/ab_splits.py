@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_small_m_parts import layer_copies  # noqa: E402
 from exl3_vllm.kernels import clock, op as kop, tune  # noqa: E402

@@ -2,7 +2,7 @@
 decode, no x loads, no split-k reduction; wrong results by design), one process per switch set, so the parts' costs
 can be compared.
 
-python bench/bound_tier.py --tiers x256:s1,x128 --layer 8192x28672 --ms 128,256
+python bench/experiments/bound_tier.py --tiers x256:s1,x128 --layer 8192x28672 --ms 128,256
 A switch that is not one of SWITCHES is a compile-time variant to compare: defines joined by '+', e.g.
 --switches full,EXL3_DIAG_NO_X+EXL3_DIAG_NO_DECODE
 """
@@ -22,7 +22,7 @@ SWITCHES = {"full": "", "no-mma": "EXL3_DIAG_NO_MMA", "no-decode": "EXL3_DIAG_NO
 
 def child(args) -> None:
     import torch
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
     from exl3_vllm.kernels import op as kop
     from exl3_vllm.kernels import tune
     k, n = (int(v) for v in args.layer.split("x"))

@@ -1,6 +1,6 @@
 """One forced tier on one layer shape, a few calls: the target for ncu / nsys (no timing of its own).
 
-ncu -k regex:exl3_gemm_x64 -c 1 --section WarpStateStats python bench/profile_tier.py --tier x64 --m 16
+ncu -k regex:exl3_gemm_x64 -c 1 --section WarpStateStats python bench/experiments/profile_tier.py --tier x64 --m 16
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 from exl3_vllm.kernels import op as kop  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """Overlap probe: does the trellis decode (integer ALU work) overlap the tensor cores' wgmma on one SM (sm_90a)?
 
-python bench/probe_overlap.py [--codebooks 2,1] [--out FILE]
+python bench/experiments/probe_overlap.py [--codebooks 2,1] [--out FILE]
 
-One block per SM runs bench/probe_overlap.cu: MMA warpgroups issue back-to-back wgmmas while decode warpgroups decode
+One block per SM runs bench/experiments/probe_overlap.cu: MMA warpgroups issue back-to-back wgmmas while decode warpgroups decode
 trellis tiles from shared memory; each role alone, then both together (same iteration counts), timed with CUDA events
 and per-warp clock64. overlap = (alone_mma + alone_decode - both) / min(alone_mma, alone_decode): 1 = the shorter
 role hides completely, 0 = the two serialize. Also the fused loop of the w tiers (decode -> wgmma in the same warps).
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 from exl3_vllm.kernels import nvrtc  # noqa: E402
 from exl3_vllm.kernels.variants import linear_defines  # noqa: E402
 

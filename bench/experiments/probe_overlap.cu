@@ -2,7 +2,7 @@
 // SM? One block per SM. Split roles: warpgroups [0, nmma) issue back-to-back m64nNk16 wgmmas (mode & 1), the others
 // decode tiles held in shared memory (mode & 2); mode 3 runs both. Fused (RS only): every warpgroup decodes a tile
 // and feeds it to its wgmma (mode 4, the w-tier loop), that loop without the wgmma (5) or without the decode (6).
-// Compiled by bench/probe_overlap.py with -DEXL3_KA/-DEXL3_HALF/-DEXL3_CB like the linear module.
+// Compiled by bench/experiments/probe_overlap.py with -DEXL3_KA/-DEXL3_HALF/-DEXL3_CB like the linear module.
 #include "exl3_wgmma.cuh"
 
 constexpr int KA = EXL3_KA;

@@ -3,7 +3,7 @@ the previous call's transformed x), the transform alone, the decode-only pass, a
 per-launch floor); every time is a CUDA graph of calls on rotating weight copies, as in bench_linear.py. A call that
 is one launch (h8 / h16 transform x themselves) has no separate parts: "–".
 
-python bench/bench_small_m_parts.py --layers 4096x4096,4096x14336 --ms 1,4,16
+python bench/experiments/bench_small_m_parts.py --layers 4096x4096,4096x14336 --ms 1,4,16
 EXL3_VLLM_PDL=0 in the environment times the same without programmatic dependent launch.
 """
 
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 from exl3_vllm.kernels import nvrtc  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402

@@ -2,7 +2,7 @@
 the measured dispatch's plan per (layer, codebook, M), plus forced plans; every time is a CUDA graph of calls on
 rotating weight copies (bench_linear.py's method), 4-bit, bf16 x.
 
-python bench/ab_fused_input.py --layers 4096x4096,14336x4096 --ms 1,4 --forced h8:s4@1,h8:s8@4
+python bench/experiments/ab_fused_input.py --layers 4096x4096,14336x4096 --ms 1,4 --forced h8:s4@1,h8:s8@4
 Forced plans (PLAN@M) are fused wherever their x fits (EXL3_VLLM_FUSED_INPUT=all); the tuned ones under the
 op's rule. "blocks; pieces per slot": the grid and the (row, 128-k chunk) pieces of x transformed per resident block.
 """
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402
 from bench_small_m_parts import layer_copies  # noqa: E402
