@@ -51,7 +51,7 @@ def test_compile_sm90_no_spills(nvrtc_cache, progress, monkeypatch):
 
 @pytest.mark.skipif(not _HAVE_NVRTC, reason="cuda-bindings / nvidia-cuda-nvrtc not installed (pip install cuda-bindings nvidia-cuda-nvrtc)")
 def test_overlap_probe_compiles(tmp_path, monkeypatch):
-    """The benchmark's overlap probe (bench/probe_overlap.cu, built on the package headers) compiles for sm_90a through
+    """The benchmark's overlap probe (bench/experiments/probe_overlap.cu, built on the package headers) compiles for sm_90a through
     compile_source(text=...) into its own cache entry, with every probe kernel and no spills."""
     import os
     import sys
