@@ -508,3 +508,38 @@ def test_trellis_alignment_error():
     kop._check_cuda_args(x, trellis, suh[0], svh, None, [256], 2)
     with pytest.raises(kop.KernelError, match=r"2 bytes past a 16-byte boundary.*trellis.clone\(\)"):
         kop._check_cuda_args(x, odd, suh[0], svh, None, [256], 2)
+
+
+def test_the_cuda_instantiations_are_the_tier_table():
+    """variants.TIERS and the tier macros of exl3_linear.cu list the same tiers with the same block shape, stage and
+    stream-k twin: the Python dispatch never asks for a kernel the source does not build, nor builds one it ignores."""
+    import re
+
+    from exl3_vllm.kernels.nvrtc import read_source
+    src = read_source("exl3_linear.cu").decode()
+    calls = re.findall(r"^(EXL3_(?:TIER|FEW_TIER|WG_TIER|WG_STREAM|WS_TIER|FX_TIER))\((\w+), ([^)]*)\)$", src, re.M)
+    built, streams, fx = {}, set(), set()
+    for macro, name, args in calls:
+        a = [int(v) for v in args.split(", ")]
+        if macro == "EXL3_TIER":
+            built[name] = dict(bm=a[0], nt=a[1], kw=a[2], ks=a[3], stages=a[4], int8=False, xb=False, wg=0, ws=0)
+        elif macro == "EXL3_FEW_TIER":  # MODE 1: int8, 2: int8 with x as B, 3: fp16 with x as B; every one streams
+            # (BM is the MMA's rows here; i4's dispatch bound, TIERS' bm, is half of them)
+            built[name] = dict(ks=a[2], stages=a[3], int8=a[1] in (1, 2), xb=a[1] in (2, 3), wg=0, ws=0)
+            streams.add(name)
+        elif macro == "EXL3_WG_TIER":
+            built[name] = dict(bm=a[0], wg=a[1], ks=a[2], stages=a[3], int8=False, xb=False, ws=0)
+        elif macro == "EXL3_WG_STREAM":
+            streams.add(name)
+        elif macro == "EXL3_WS_TIER":
+            built[name] = dict(bm=a[0], ws=a[1], ks=a[2], stages=a[3], wg=2, int8=False, xb=False)
+            streams.add(name)
+        else:
+            fx.add(name)
+    assert set(built) == set(TIERS), set(built) ^ set(TIERS)
+    for name, want in built.items():
+        t = TIERS[name]
+        got = {f: getattr(t, f) for f in want}
+        assert got == want, (name, got, want)
+        assert t.stream == (name in streams), name
+    assert fx == {n for n, t in TIERS.items() if t.xb and not t.int8}
