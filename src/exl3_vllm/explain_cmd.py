@@ -42,34 +42,6 @@ def kernel_calls(ck: Checkpoint, tp: int = 1) -> dict[tuple, list[str]]:
     return calls
 
 
-def passed_over(m: int, k: int, bits: float, codebook: int, arch: int, smem: int) -> list[str]:
-    """Why each path the static plan ranks first was not taken at m rows (plan()'s order: dequantize + cuBLAS above
-    the large-M bound, else the mul1 int8 tiers, h8, the Hopper tiers, the mma.sync tiers)."""
-    from . import settings
-    from .kernels import dispatch
-    from .kernels.variants import CODEBOOKS, INT8_MAX_M, TIERS
-
-    why = []
-    if m > dispatch.large_m():
-        return [f"m > {dispatch.large_m()} (EXL3_VLLM_LARGE_M): dequantize + cuBLAS"]
-    if not dispatch.int8_ok(m, k, codebook, smem):
-        reason = ("off (EXL3_VLLM_INT8=0)" if not settings.get("EXL3_VLLM_INT8") else
-                  f"codebook {CODEBOOKS[codebook]}, the int8 tiers are mul1 only" if codebook != 2 else
-                  f"m > {INT8_MAX_M}" if m > INT8_MAX_M else f"k={k}: x does not fit shared memory")
-        why.append(f"i4/i8: {reason}")
-    else:
-        return why
-    if m > TIERS["h8"].bm:
-        why.append(f"h8: m > {TIERS['h8'].bm}")
-    elif TIERS["h8"].smem(bits) > smem:
-        why.append("h8: over the shared memory limit")
-    else:
-        return why
-    if not dispatch.wg_enabled(arch):
-        why.append("wgmma: off (EXL3_VLLM_WGMMA=0)" if arch == 90 else f"wgmma: sm_{arch} is not sm_90")
-    return why
-
-
 def explain(ck: Checkpoint, ms: list[int], arch: int = 90, sms: int = 132, smem: int = 227 * 1024,
             tp: int = 1) -> list[dict]:
     import math
@@ -84,7 +56,7 @@ def explain(ck: Checkpoint, ms: list[int], arch: int = 90, sms: int = 132, smem:
         for m in ms:
             p = dispatch.plan(m, k, n, bits, sms, max(sizes), smem, codebook, arch, math.gcd(*sizes))
             rows.append({"m": m, "path": p.path, "tier": p.tier or "-", "splits": p.splits,
-                         "stream_k": p.stream or "-", "passed_over": passed_over(m, k, bits, codebook, arch, smem),
+                         "stream_k": p.stream or "-", "passed_over": dispatch.passed_over(m, k, bits, codebook, arch, smem),
                          "timed_on_gpu": tune.candidates(dev, m, k, bits, codebook, math.gcd(*sizes))
                          if tune.enabled() else []})
         out.append({"k": k, "n": n, "bits": bits, "codebook": codebook, "shards": list(sizes),

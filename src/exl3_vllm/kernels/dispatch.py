@@ -9,7 +9,7 @@ import torch
 
 from .. import settings
 from .nvrtc import KernelError
-from .variants import INT8_MAX_M, TIERS, WG_ARCH, for_k
+from .variants import CODEBOOKS, INT8_MAX_M, TIERS, WG_ARCH, for_k
 
 
 def backend() -> str:
@@ -193,6 +193,31 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
             dp = (n_total // tier.cols) // stream * stream
         return Plan("gemm", tier.name, splits, steps, stream=stream, dp=dp)
     return Plan("gemm", tier.name, splits, steps)
+
+
+def passed_over(m: int, k: int, bits: float, codebook: int, arch: int, smem: int) -> list[str]:
+    """Why each path plan() ranks before the one it takes was passed over at m rows, in plan()'s order (dequantize +
+    cuBLAS above the large-M bound, else the mul1 int8 tiers, h8, the Hopper tiers, the mma.sync tiers): keep the
+    two in step."""
+    why = []
+    if m > large_m():
+        return [f"m > {large_m()} (EXL3_VLLM_LARGE_M): dequantize + cuBLAS"]
+    if not int8_ok(m, k, codebook, smem):
+        reason = ("off (EXL3_VLLM_INT8=0)" if not settings.get("EXL3_VLLM_INT8") else
+                  f"codebook {CODEBOOKS[codebook]}, the int8 tiers are mul1 only" if codebook != 2 else
+                  f"m > {INT8_MAX_M}" if m > INT8_MAX_M else f"k={k}: x does not fit shared memory")
+        why.append(f"i4/i8: {reason}")
+    else:
+        return why
+    if m > TIERS["h8"].bm:
+        why.append(f"h8: m > {TIERS['h8'].bm}")
+    elif TIERS["h8"].smem(bits) > smem:
+        why.append("h8: over the shared memory limit")
+    else:
+        return why
+    if not wg_enabled(arch):
+        why.append("wgmma: off (EXL3_VLLM_WGMMA=0)" if arch == 90 else f"wgmma: sm_{arch} is not sm_90")
+    return why
 
 
 def switched_on(choice: str, arch: int) -> bool:
