@@ -30,8 +30,11 @@ def heldout_ids(hf: str, n: int, out: str) -> torch.Tensor:
 
     tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(hf, "tokenizer"))
     ids = tok(open(os.path.join(hf, "heldout.txt"), encoding="utf-8").read())["input_ids"]
-    with open(os.path.join(out, "greedy_tokens.json"), "w") as f:
-        json.dump({"tokens": ids[n - 1: n - 1 + 4096]}, f)
+    path = os.path.join(out, "greedy_tokens.json")
+    if not os.path.exists(path):  # written once; later runs (one per converted batch) find it
+        with open(path + ".tmp", "w") as f:
+            json.dump({"tokens": ids[n - 1: n - 1 + 4096]}, f)
+        os.replace(path + ".tmp", path)
     return torch.tensor([tok.bos_token_id] + ids[: n - 1], dtype=torch.long)
 
 
@@ -89,7 +92,9 @@ def main() -> None:
 
     os.makedirs(args.out, exist_ok=True)
     ids = heldout_ids(args.hf, args.tokens, args.out)
-    torch.save(ids, os.path.join(args.out, "tokens.pt"))
+    if not os.path.exists(os.path.join(args.out, "tokens.pt")):  # the engines may be reading it
+        torch.save(ids, os.path.join(args.out, "tokens.pt.tmp"))
+        os.replace(os.path.join(args.out, "tokens.pt.tmp"), os.path.join(args.out, "tokens.pt"))
     done = json.load(open(os.path.join(args.corpus, "convert.json")))
     names = args.names.split(",") if args.names else [r["name"] for r in done if r["rc"] == 0]
     refs: dict[str, torch.Tensor] = {}
@@ -102,9 +107,13 @@ def main() -> None:
             cfg_json = json.load(open(os.path.join(d, "config.json")))
             model_name = next(r["model"] for r in done if r["name"] == name)
             row.update(model=model_name, quantization_config=cfg_json.get("quantization_config"))
-            if model_name not in refs:
+            hf_path = os.path.join(args.out, f"hf-{model_name}.pt")
+            if model_name not in refs and os.path.exists(hf_path):
+                refs[model_name] = torch.load(hf_path)["logits"]
+            elif model_name not in refs:
                 refs[model_name] = hf_logits(os.path.join(args.hf, model_name), ids)
-                torch.save({"logits": refs[model_name]}, os.path.join(args.out, f"hf-{model_name}.pt"))
+                torch.save({"logits": refs[model_name]}, hf_path + ".tmp")
+                os.replace(hf_path + ".tmp", hf_path)
             cfg = Config.from_directory(d)
             model = Model.from_config(cfg)
             model.load(device="cuda:0")
@@ -142,8 +151,9 @@ def main() -> None:
         summary.append(row)
     record = os.path.join(args.out, "ex3.json")
     earlier = [r for r in json.load(open(record)) if r["name"] not in names] if os.path.exists(record) else []
-    with open(record, "w") as f:
+    with open(record + ".tmp", "w") as f:  # the engines (gate_vllm.py --follow) poll it
         json.dump(earlier + summary, f, indent=1)
+    os.replace(record + ".tmp", record)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ set -u
 C=/tmp/corpus
 T0=$(date +%s)
 END=$((T0 + ${BUDGET_S:-560}))
-# The fixtures' references are enough to start: engines run on what ex3.json lists now, a later call on the rest.
-while [ ! -f $C/FIXTURE_DONE ] && [ $(date +%s) -lt $((END - 200)) ] && pgrep -f pipeline.sh > /dev/null; do sleep 10; done
-if [ ! -f $C/FIXTURE_DONE ]; then
+# Engines start on the first reference exllamav3 writes and follow the rest as they land (until DONE or the deadline).
+while [ ! -f $C/ref/ex3.json ] && [ $(date +%s) -lt $((END - 200)) ] && pgrep -f pipeline.sh > /dev/null; do sleep 10; done
+if [ ! -f $C/ref/ex3.json ]; then
   echo "[gate] corpus not ready"; tail -n 20 $C/log.txt
   WAIT_S=0 PACK_CKPTS=0 bash bench/peer/corpus/collect.sh; exit 1
 fi
@@ -18,8 +18,8 @@ fi
   # Engines share the GPU, so load-time timing would measure each other: the static plan instead (every tier it
   # picks is checked against the format reference by pytest -m gpu).
   export EXL3_VLLM_TUNE=0
-  python3 bench/peer/corpus/gate_vllm.py --corpus $C/exl3 --ref $C/ref --out $C/gate --parallel ${PARALLEL:-4} \
-    --deadline $((END - 120)) ${GATE_ARGS:-}
+  python3 bench/peer/corpus/gate_vllm.py --corpus $C/exl3 --ref $C/ref --out $C/gate --parallel ${PARALLEL:-6} \
+    --deadline $((END - 120)) --follow $C/DONE ${GATE_ARGS:-}
 ) 2>&1 | tee -a $C/gate.log | grep -E "^\[gate\]|NO KIT|Error" | cut -c1-600
 PYTHONPATH=$C/extso:/tmp/site:$C/tree/.peer/src:$PWD/src TORCH_EXTENSIONS_DIR=$C/ext TORCH_CUDA_ARCH_LIST=9.0 \
   python3 bench/peer/corpus/compare.py --corpus $C/exl3 --ref $C/ref --gate $C/gate --out $C/gate/gate.json \

@@ -1,7 +1,7 @@
 """The fidelity gate's vLLM side: vLLM + exl3-vllm on each converted checkpoint, teacher-forced and greedy.
 
     python3 bench/peer/corpus/gate_vllm.py --corpus /tmp/corpus/exl3 --ref /tmp/corpus/ref --out /tmp/corpus/gate \
-        [--dtypes float16,bfloat16] [--names a,b] [--parallel 3] [--eager]
+        [--dtypes float16,bfloat16] [--names a,b] [--parallel 3] [--eager] [--follow /tmp/corpus/DONE]
 
 Per checkpoint and dtype, one child process runs one engine (our kernels; CUDA graphs for decode batches unless
 --eager) and saves OUT/<name>-<dtype>.pt:
@@ -40,7 +40,7 @@ def child(model: str, dtype: str, ref: str, out: str, eager: bool) -> None:
         "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}}
     t0 = time.time()
     llm = LLM(model=model, dtype=dtype, max_model_len=len(ids) + 64, max_logprobs=vocab, seed=0,
-              gpu_memory_utilization=float(os.environ.get("GATE_GPU_MEM", "0.12")), max_num_seqs=GREEDY_PROMPTS,
+              gpu_memory_utilization=float(os.environ.get("GATE_GPU_MEM", "0.11")), max_num_seqs=GREEDY_PROMPTS,
               enable_prefix_caching=False, **kw)
     t_init = time.time() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=vocab, detokenize=False)
@@ -68,15 +68,19 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=3)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--deadline", type=float, default=0, help="unix time after which no new engine starts")
+    ap.add_argument("--follow", default="", help="poll REF/ex3.json for new checkpoints until this file exists")
     ap.add_argument("--child", nargs=4, metavar=("MODEL", "DTYPE", "REF", "OUT"))
     a = ap.parse_args()
     if a.child:
         child(*a.child, eager=a.eager)
         return
     os.makedirs(a.out, exist_ok=True)
-    done = json.load(open(os.path.join(a.ref, "ex3.json")))
-    names = a.names.split(",") if a.names else [r["name"] for r in done if "error" not in r]
-    jobs = [(n, d) for n in names for d in a.dtypes.split(",")]
+    dtypes = a.dtypes.split(",")
+
+    def ready() -> list[str]:
+        rec = os.path.join(a.ref, "ex3.json")
+        done = json.load(open(rec)) if os.path.exists(rec) else []
+        return a.names.split(",") if a.names else [r["name"] for r in done if "error" not in r]
 
     def run(job):
         name, dtype = job
@@ -98,8 +102,19 @@ def main() -> None:
         print("[gate]", json.dumps(r), flush=True)
         return r
 
+    # --follow FLAG: keep taking checkpoints as exllamav3's references land (pipeline.sh), until FLAG exists.
     with ThreadPoolExecutor(a.parallel) as pool:
-        rows = list(pool.map(run, jobs))
+        futs, queued = [], set()
+        while True:
+            final = not a.follow or os.path.exists(a.follow)
+            for job in ((n, d) for n in ready() for d in dtypes):
+                if job not in queued:
+                    queued.add(job)
+                    futs.append(pool.submit(run, job))
+            if final or (a.deadline and time.time() > a.deadline):
+                break
+            time.sleep(5)
+        rows = [f.result() for f in futs]
     rows = [r for r in rows if r["rc"] != "skipped (deadline)"]
     with open(os.path.join(a.out, "gate_runs.json"), "w") as f:
         json.dump(rows, f, indent=1)

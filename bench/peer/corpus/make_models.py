@@ -4,9 +4,11 @@ for a few minutes on real text, saved in Hugging Face format for exllamav3's con
     python3 bench/peer/corpus/make_models.py --text-dir DIR --out /tmp/corpus/hf [--steps 1500] [--only NAME,...]
 
 The text is exllamav3's calibration text (DIR = exllamav3/conversion/standard_cal_data): each file's first 90% is
-training text, its last 10% is held out (heldout.txt, for the fidelity gate). Models train concurrently, one process
-each, on one GPU. Every model: 4 layers, head_dim 64, vocab 2048, hidden 256 (Qwen3: 384, so a quantized embedding's
-last 256-wide group is half padding); all widths multiples of 128.
+training text, its last 10% is held out (heldout.txt, for the fidelity gate); the running Python's standard library
+sources (tests left out, about 12 MB) are training text too, so 1,500 steps pass over the data about 8 times, not 24.
+Models train concurrently, one process each, on one GPU. Every model: 4 layers, head_dim 64, vocab 2048, hidden 256
+(Qwen3: 384, so a quantized embedding's last 256-wide group is half padding); all widths multiples of 128. The
+two-layer "-2l" models make the CI fixtures small (tests/data/corpus, at most 4 MB together).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 
 VOCAB = 2048
@@ -37,6 +40,8 @@ MODELS = {
                                           "tie_word_embeddings": False, "attention_bias": False,
                                           "router_aux_loss_coef": 0.01, "output_router_logits": True}),
 }
+MODELS["llama-2l"] = (MODELS["llama"][0], {**MODELS["llama"][1], "num_hidden_layers": 2})
+MODELS["qwen3-moe-2l"] = (MODELS["qwen3-moe"][0], {**MODELS["qwen3-moe"][1], "num_hidden_layers": 2})
 SEQ = 512
 
 
@@ -47,6 +52,11 @@ def split_text(text_dir: str, out: str) -> tuple[str, str]:
         cut = int(len(t) * 0.9)
         train.append(t[:cut])
         held.append(t[cut:])
+    lib = sysconfig.get_paths()["stdlib"]
+    for f in sorted(glob.glob(os.path.join(lib, "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(f, lib)
+        if not any(p.startswith(("test", "site-packages", "idlelib")) for p in rel.split(os.sep)):
+            train.append(open(f, encoding="utf-8", errors="replace").read())
     os.makedirs(out, exist_ok=True)
     tp, hp = os.path.join(out, "train.txt"), os.path.join(out, "heldout.txt")
     open(tp, "w", encoding="utf-8").write("\n\n".join(train))

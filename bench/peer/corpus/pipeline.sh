@@ -47,19 +47,35 @@ stamp "built"
 # Our kernels for the gate, compiled while the GPU converts (the cache the kit's engines read, device_env.sh).
 ( XDG_CACHE_HOME=/tmp/exl3cache python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 --jobs 8 \
   > $C/nvrtc.log 2>&1 & )
-# The CI fixtures first, whole (converted and their reference logits), then the rest of the set.
-for PART in fixture rest; do
-  if [ $PART = fixture ]; then SEL="--set fixture"; else SEL="--set ${SET:-sample} --skip-set fixture"; fi
-  NAMES=$(python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 $SEL --list)
-  [ -n "$NAMES" ] || continue
-  python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 $SEL --jobs ${JOBS:-4} >> $C/convert.log 2>&1
-  grep "^\[convert\]" $C/convert.log | tail -n 40
-  stamp "converted ($PART)"
-  python3 bench/peer/corpus/ex3_logits.py --corpus $C/exl3 --hf $C/hf --out $C/ref --fixture-out $C/fixture \
-    --names "$NAMES" --fixture-names "${FIXTURE_NAMES:-all}" >> $C/ex3.log 2>&1
-  grep "^\[ex3\]" $C/ex3.log | cut -c1-400 | tail -n 40
-  stamp "reference logits done ($PART)"
-  [ $PART = fixture ] && touch $C/FIXTURE_DONE
+# Convert every job of the set (longest first); exllamav3's reference forward follows each checkpoint as it lands, so
+# the engines (gate.sh) start on the first ones while the rest convert.
+python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} --jobs ${JOBS:-10} \
+  >> $C/convert.log 2>&1 &
+CONV=$!
+while :; do
+  kill -0 $CONV 2> /dev/null && RUNNING=1 || RUNNING=0
+  NEW=$(python3 - $C <<'PY'
+import json, os, sys
+c = sys.argv[1]
+conv = json.load(open(f"{c}/exl3/convert.json")) if os.path.exists(f"{c}/exl3/convert.json") else []
+seen = set(open(f"{c}/ex3.attempted").read().split()) if os.path.exists(f"{c}/ex3.attempted") else set()
+print(",".join(r["name"] for r in conv if r["rc"] == 0 and r["name"] not in seen))
+PY
+)
+  if [ -n "$NEW" ]; then
+    echo "$NEW" | tr ',' '\n' >> $C/ex3.attempted  # tried once: a crashed reference run is not retried forever
+    grep "^\[convert\]" $C/convert.log | tail -n 12
+    python3 bench/peer/corpus/ex3_logits.py --corpus $C/exl3 --hf $C/hf --out $C/ref --fixture-out $C/fixture \
+      --names "$NEW" --fixture-names "${FIXTURE_NAMES:-all}" >> $C/ex3.log 2>&1
+    grep "^\[ex3\]" $C/ex3.log | cut -c1-400 | tail -n $(echo "$NEW" | tr ',' '\n' | wc -l)
+    stamp "reference logits done: $NEW"
+  elif [ $RUNNING = 0 ]; then
+    break
+  else
+    sleep 5
+  fi
 done
+wait $CONV; stamp "converted rc=$?"
+grep "^\[convert\]" $C/convert.log | tail -n 40
 tail -n 5 $C/ex3.log
 touch $C/DONE
