@@ -9,7 +9,8 @@ T0=$(date +%s)
 END=$((T0 + ${BUDGET_S:-560}))
 # Engines start on the first reference exllamav3 writes and follow the rest as they land (until DONE or the deadline).
 while [ ! -f $C/ref/ex3.json ] && [ $(date +%s) -lt $((END - 200)) ] && pgrep -f pipeline.sh > /dev/null; do sleep 10; done
-if [ ! -f $C/ref/ex3.json ]; then
+while [ ! -f $C/NVRTC_DONE ] && [ $(date +%s) -lt $((END - 200)) ]; do sleep 5; done
+if [ ! -f $C/ref/ex3.json ] || [ ! -f $C/NVRTC_DONE ]; then
   echo "[gate] corpus not ready"; tail -n 20 $C/log.txt
   WAIT_S=0 PACK_CKPTS=0 bash bench/peer/corpus/collect.sh; exit 1
 fi

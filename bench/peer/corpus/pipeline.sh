@@ -33,6 +33,10 @@ if [ -n "${EXT_SO:-}" ]; then
 fi
 stamp "start set=${SET:-sample} git=$(git rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+# Our kernels for the gate, compiled once here (the cache the kit's engines read, device_env.sh): engines that
+# start before it is done would each compile the same modules at load.
+( XDG_CACHE_HOME=/tmp/exl3cache nice -n 5 python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 \
+  --jobs 4 > $C/nvrtc.log 2>&1; touch $C/NVRTC_DONE ) &
 ( python3 -c "import exllamav3.ext as e; print('ext', e.exllamav3_ext.__file__)" > $C/build.log 2>&1
   echo "rc=$?" >> $C/build.log ) &
 BUILD=$!
@@ -44,12 +48,9 @@ wait $BUILD
 tail -n 3 $C/build.log
 grep -q "rc=0" $C/build.log || { stamp "build FAILED"; grep -m 20 -i "error" $C/build.log; exit 1; }
 stamp "built"
-# Our kernels for the gate, compiled while the GPU converts (the cache the kit's engines read, device_env.sh).
-( XDG_CACHE_HOME=/tmp/exl3cache python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 --jobs 8 \
-  > $C/nvrtc.log 2>&1 & )
-# Convert every job of the set (longest first); exllamav3's reference forward follows each checkpoint as it lands, so
+# Convert every job of the set (those that quantize the embedding first: they hold the GPU longest); exllamav3's reference forward follows each checkpoint as it lands, so
 # the engines (gate.sh) start on the first ones while the rest convert.
-python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} --jobs ${JOBS:-10} \
+python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} --jobs ${JOBS:-5} \
   >> $C/convert.log 2>&1 &
 CONV=$!
 while :; do
