@@ -66,7 +66,8 @@ def main() -> None:
     for name in dict.fromkeys(r["name"] for r in runs):
         vocab = json.load(open(os.path.join(a.corpus, name, "config.json")))["vocab_size"]
         ref = torch.load(os.path.join(a.ref, f"{name}.pt"))["logits"]
-        hf = torch.load(os.path.join(a.ref, f"hf-{ex3[name]['model']}.pt"))["logits"]
+        hf_path = os.path.join(a.ref, f"hf-{ex3[name]['model']}.pt")
+        hf = torch.load(hf_path)["logits"] if os.path.exists(hf_path) else None  # none for committed fixtures
         model = None
         for run in (r for r in runs if r["name"] == name):
             row = {"name": name, "dtype": run["dtype"], "model": ex3[name]["model"],
@@ -80,7 +81,7 @@ def main() -> None:
             got = torch.load(path)
             lp = got["prompt_logprobs"]
             kl, top1 = kl_rows(ref[:-1], lp)
-            kl_hf, top1_hf = kl_rows(hf[:-1], lp)
+            kl_hf, top1_hf = kl_rows(hf[:-1], lp) if hf is not None else (None, None)
             if model is None:
                 model = Model.from_config(Config.from_directory(os.path.join(a.corpus, name)))
                 model.load(device="cuda:0")

@@ -18,7 +18,8 @@ stamp() { echo "[pipeline] $* (t+$(( $(date +%s) - T0 ))s)"; }
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 TORCH_EXTENSIONS_DIR=$C/ext
 for V in EXT_XZ EXT_SO; do [ -n "${!V:-}" ] && declare $V="$(realpath "${!V}")"; done  # before the cd below
 # A private copy of what it runs: later device calls lay the working tree out anew under this process.
-mkdir -p $C/tree/.peer/src && cp -r bench src .whl $C/tree/ && cp -r .peer/src/exllamav3 $C/tree/.peer/src/ \
+mkdir -p $C/tree/.peer/src $C/tree/tests/data && cp -r bench src .whl $C/tree/ && cp -r tests/data/corpus $C/tree/tests/data/ \
+  && cp -r .peer/src/exllamav3 $C/tree/.peer/src/ \
   && cd $C/tree || { stamp "copy FAILED"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { stamp "wheel install FAILED"; exit 1; }
@@ -37,6 +38,21 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 # start before it is done would each compile the same modules at load.
 ( XDG_CACHE_HOME=/tmp/exl3cache nice -n 5 python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 \
   --jobs 4 > $C/nvrtc.log 2>&1; touch $C/NVRTC_DONE ) &
+# FIXTURES=committed (default): the CI fixtures in tests/data/corpus join the gate as they are, instead of being
+# converted again (their two embedding quantizations hold the GPU for minutes); their source models are not
+# retrained, so they have no unquantized reference. FIXTURES=convert makes new ones (then copy them into tests/).
+SKIP=""
+if [ "${FIXTURES:-committed}" = committed ]; then
+  mkdir -p $C/exl3 && cp -r tests/data/corpus/*/ $C/exl3/ && SKIP="--skip-set fixture"
+  python3 - $C/exl3 <<'PY'
+import json, os, sys
+d = sys.argv[1]
+names = sorted(n for n in os.listdir(d) if os.path.isfile(os.path.join(d, n, "config.json")))
+json.dump([{"name": n, "model": "committed fixture", "rc": 0, "seconds": 0, "cmd": "tests/data/corpus"} for n in names],
+          open(os.path.join(d, "convert.json"), "w"), indent=1)
+PY
+  : "${MODELS:=llama,llama-tied,qwen3,qwen3-moe}"
+fi
 ( python3 -c "import exllamav3.ext as e; print('ext', e.exllamav3_ext.__file__)" > $C/build.log 2>&1
   echo "rc=$?" >> $C/build.log ) &
 BUILD=$!
@@ -50,7 +66,7 @@ grep -q "rc=0" $C/build.log || { stamp "build FAILED"; grep -m 20 -i "error" $C/
 stamp "built"
 # Convert every job of the set (those that quantize the embedding first: they hold the GPU longest); exllamav3's reference forward follows each checkpoint as it lands, so
 # the engines (gate.sh) start on the first ones while the rest convert.
-python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} --jobs ${JOBS:-5} \
+python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} $SKIP --jobs ${JOBS:-5} \
   >> $C/convert.log 2>&1 &
 CONV=$!
 while :; do
