@@ -1,0 +1,91 @@
+"""Where an MoE checkpoint's logits part from exllamav3's: the router's top-k margin at each such position (CPU).
+
+    .venv/bin/python bench/peer/corpus/moe_routing.py CKPT REF.exllamav3-logits.safetensors [--over 0.005]
+
+Builds the checkpoint's model in transformers from our dense reconstruction (fp32; Qwen3-MoE layout of transformers 5:
+experts fused into gate_up_proj / down_proj), runs the reference's token sequence, and prints the mean / max
+KL(exllamav3 || this) and, for each position over --over, every layer's gap between the k-th and (k+1)-th router
+probability. A gap near zero is a near tie: exllamav3 (fp16) and an fp32 engine may route that token to different
+experts, and the positions after it inherit the difference through attention.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from safetensors import safe_open
+
+from exl3_vllm.format.checkpoint import Checkpoint, DenseSpec, EmbeddingSpec, Exl3Spec
+from exl3_vllm.format.embedding import dense_table
+from exl3_vllm.format.reconstruct import dense_weight
+
+
+def dense_model(path: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ck = Checkpoint(path)
+    cfg = {k: v for k, v in ck.config.items() if k != "quantization_config"}
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}),
+        dtype=torch.float32).eval()
+    sd = {name: ck.tensor(name).float() for name in ck.other}
+    for key, spec in ck.modules.items():
+        if isinstance(spec, Exl3Spec):
+            w = ck.weights(key)
+            sd[f"{key}.weight"] = dense_weight(w.trellis, w.suh, w.svh, w.codebook, torch.float32).T
+            if spec.has_bias:
+                sd[f"{key}.bias"] = ck.tensor(f"{key}.bias").float()
+        elif isinstance(spec, EmbeddingSpec):
+            sd[f"{key}.weight"] = dense_table(ck.tensor(f"{key}.trellis"), ck.tensor(f"{key}.signs"),
+                                              cfg["hidden_size"]).float()
+        elif isinstance(spec, DenseSpec):
+            sd[f"{key}.weight"] = ck.tensor(f"{key}.weight").float()
+    want = model.state_dict()
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}.mlp.experts"
+        if f"{pre}.gate_up_proj" in want:
+            n = cfg["num_experts"]
+            sd[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"{pre}.{e}.gate_proj.weight"),
+                                                                sd.pop(f"{pre}.{e}.up_proj.weight")]) for e in range(n)])
+            sd[f"{pre}.down_proj"] = torch.stack([sd.pop(f"{pre}.{e}.down_proj.weight") for e in range(n)])
+    # Padded widths in the checkpoint are trimmed to the model's.
+    loaded = {k: v[tuple(slice(0, s) for s in want[k].shape)].contiguous() for k, v in sd.items() if k in want}
+    missing = sorted(set(want) - set(loaded))
+    if missing:
+        raise SystemExit(f"no checkpoint tensor for {missing[:5]}")
+    model.load_state_dict(loaded)
+    return model, cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ckpt")
+    ap.add_argument("reference")
+    ap.add_argument("--over", type=float, default=0.005, help="KL above which a position is explained")
+    a = ap.parse_args()
+    model, cfg = dense_model(a.ckpt)
+    with safe_open(a.reference, "pt") as f:
+        ids, ref = f.get_tensor("input_ids").long(), f.get_tensor("logits").float()
+    router: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.register_forward_hook(
+            lambda mod, inp, out, i=i: router.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach()))
+    with torch.no_grad():
+        got = model(ids.view(1, -1)).logits[0].float()
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    k = cfg["num_experts_per_tok"]
+    out = {"mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
+           "top1": (lp.argmax(-1) == lq.argmax(-1)).float().mean().item(), "positions": []}
+    for p in (kl > a.over).nonzero().flatten().tolist():
+        gaps = []
+        for i in sorted(router):
+            probs = torch.softmax(router[i].view(len(ids), -1)[p].float(), -1).sort(descending=True).values
+            gaps.append(round((probs[k - 1] - probs[k]).item(), 5))
+        out["positions"].append({"pos": p, "kl": round(kl[p].item(), 4), "router_gap_per_layer": gaps})
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
