@@ -22,10 +22,14 @@ GATES = {"float16": (1e-4, 0.995), "bfloat16": (1e-3, 0.99)}
 TIE = 0.05
 
 
-def kl_rows(ref_logits: torch.Tensor, got_lp: torch.Tensor) -> tuple[float, float]:
+def kl_rows(ref_logits: torch.Tensor, got_lp: torch.Tensor, worst: list | None = None) -> tuple[float, float]:
+    """Mean KL(ref || got) and top-1 agreement; worst: filled with the 5 largest (position, KL), for moe_routing.py."""
     lp = torch.log_softmax(ref_logits.float(), -1)
     q = got_lp.float()
     kl = (lp.exp() * (lp - q)).sum(-1)
+    if worst is not None:
+        top = torch.topk(kl, min(5, kl.numel()))
+        worst += [(int(p), round(v, 5)) for p, v in zip(top.indices.tolist(), top.values.tolist())]
     return kl.mean().item(), (lp.argmax(-1) == q.argmax(-1)).float().mean().item()
 
 
@@ -80,14 +84,15 @@ def main() -> None:
                 continue
             got = torch.load(path)
             lp = got["prompt_logprobs"]
-            kl, top1 = kl_rows(ref[:-1], lp)
+            worst: list = []
+            kl, top1 = kl_rows(ref[:-1], lp, worst)
             kl_hf, top1_hf = kl_rows(hf[:-1], lp) if hf is not None else (None, None)
             if model is None:
                 model = Model.from_config(Config.from_directory(os.path.join(a.corpus, name)))
                 model.load(device="cuda:0")
             g = greedy_check(model, got["greedy"], vocab)
             max_kl, min_top1 = GATES.get(run["dtype"], (1e-3, 0.99))
-            row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1,
+            row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1, worst_positions=worst,
                        kl_unquantized_vs_vllm=kl_hf, top1_unquantized_vs_vllm=top1_hf, init_s=round(got["init_s"], 1),
                        eager=got["eager"], **g,
                        gate=bool(kl <= max_kl and top1 >= min_top1 and not g["greedy_mismatches"]))
