@@ -35,7 +35,7 @@ JOBS = {
     "qwen3-moe-recipe-eb3": ("qwen3-moe-2l", ("recipe", RECIPE_MOE, ["-eb", "3"]), "fixture sample gate full"),
     # Integer and fractional targets (budgeted allocation), default head (6 bits) and codebook (mul1).
     "llama-b2": ("llama", ["-b", "2"], "full"),
-    "llama-b3": ("llama", ["-b", "3"], "full"),
+    "llama-b3": ("llama", ["-b", "3"], "gate full"),
     "llama-b4": ("llama", ["-b", "4"], "gate sample full"),
     "llama-b5": ("llama", ["-b", "5"], "full"),
     "llama-b6": ("llama", ["-b", "6"], "full"),
@@ -45,16 +45,16 @@ JOBS = {
     "llama-b4.13": ("llama", ["-b", "4.13"], "full"),
     "llama-b5.5": ("llama", ["-b", "5.5"], "full"),
     # Head bits, codebooks, --hq, quantized embeddings.
-    "llama-b4-hb8": ("llama", ["-b", "4", "-hb", "8"], "full"),
+    "llama-b4-hb8": ("llama", ["-b", "4", "-hb", "8"], "gate full"),
     "llama-b3-hb3.5": ("llama", ["-b", "3", "-hb", "3.5"], "full"),
     "llama-b4-mcg": ("llama", ["-b", "4", "-cb", "mcg"], "full"),
     "llama-b5-mcg": ("llama", ["-b", "5", "-cb", "mcg"], "gate full"),
     "llama-b4-3inst": ("llama", ["-b", "4", "-cb", "3inst"], "gate sample full"),
-    "llama-b4-hq": ("llama", ["-b", "4", "-hq"], "full"),
+    "llama-b4-hq": ("llama", ["-b", "4", "-hq"], "gate full"),
     "llama-b3.5-eb6": ("llama", ["-b", "3.5", "-eb", "6"], "full"),
     "llama-b4-eb8-hb16": ("llama", ["-b", "4", "-eb", "8", "-hb", "16"], "full"),
     # Measure + optimize across a mul1 and an mcg model: shards of one fused layer may differ in K and codebook.
-    "llama-opt4": ("llama", ("optimize", ["llama-b3", "llama-b5-mcg"], 4.0), "full"),
+    "llama-opt4": ("llama", ("optimize", ["llama-b3", "llama-b5-mcg"], 4.0), "gate full"),
     # Tied source embeddings (the converter unties and quantizes a separate head).
     "llama-tied-b4": ("llama-tied", ["-b", "4"], "gate sample full"),
     "llama-tied-b3.5-eb4": ("llama-tied", ["-b", "3.5", "-eb", "4"], "full"),
