@@ -19,7 +19,7 @@ if [ -n "${SMOKE_TIERS:-}" ]; then
   timeout 150 python3 bench/check_tier.py --tiers "$SMOKE_TIERS" > "$OUT/smoke.txt" 2>&1
   rc=$?; echo "smoke rc=$rc $(tail -1 $OUT/smoke.txt) t+$(( $(date +%s) - T0 ))s"
   grep -E "FAIL|ERROR" "$OUT/smoke.txt" | head -10
-  if [ $rc -ne 0 ]; then export EXL3_VLLM_WS=0; TEST_K="not $(echo "$SMOKE_TIERS" | sed 's/,/ and not /g')"; fi
+  if [ $rc -ne 0 ]; then export EXL3_VLLM_DISABLE=x*; TEST_K="not $(echo "$SMOKE_TIERS" | sed 's/,/ and not /g')"; fi
 fi
 if [ "$MODE" != "bench" ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_moe_gpu.py ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu_tests.txt" 2>&1

@@ -85,7 +85,7 @@ def test_doctor_reports_versions_and_that_vllm_finds_the_plugin(capsys):
 def test_explain_names_each_kernel_call_its_path_per_m_and_why(tmp_path, capsys, monkeypatch):
     import os
 
-    monkeypatch.delenv("EXL3_VLLM_INT8", raising=False)
+    monkeypatch.delenv("EXL3_VLLM_DISABLE", raising=False)
     q = str(tmp_path / "q")
     synthesize("tiny-llama", q, bits=4, seed=1)
     assert cli.main(["explain", q, "--m", "1,16,64,1024", "--json"]) == 0
@@ -100,7 +100,7 @@ def test_explain_names_each_kernel_call_its_path_per_m_and_why(tmp_path, capsys,
         assert by_m[1024]["path"] == "dequant" and "dequantize + cuBLAS" in by_m[1024]["passed_over"][0]
     # A real exllamav3 checkpoint whose q/k/v differ in K: one call per K; switches and the arch show in the reasons.
     real = os.path.join(os.path.dirname(__file__), "data", "corpus", "llama-recipe-eb4")
-    monkeypatch.setenv("EXL3_VLLM_INT8", "0")
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "i4,i8")
     assert cli.main(["explain", real, "--m", "1,16", "--arch", "89", "--json"]) == 0
     calls = json.loads(capsys.readouterr().out)
     attn = {c["example"].rpartition(".")[2] for c in calls if ".layers.0.self_attn." in c["example"]}
@@ -108,5 +108,5 @@ def test_explain_names_each_kernel_call_its_path_per_m_and_why(tmp_path, capsys,
     for c in calls:
         for r in c["rows"]:
             assert not r["tier"].startswith(("i4", "i8", "w", "x")), r
-            assert any("EXL3_VLLM_INT8=0" in w for w in r["passed_over"]), r
+            assert r["m"] != 1 or "i4/i8: disabled (EXL3_VLLM_DISABLE)" in r["passed_over"], r
             assert r["m"] == 1 or any("sm_89 is not sm_90" in w for w in r["passed_over"]), r

@@ -173,8 +173,13 @@ def test_plan_int8_tier(monkeypatch):
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=1).tier == "h8"
     assert kop.plan(8, 4096, 4096, 4, 132, codebook=0).tier == "h8"
     assert kop.plan(1, 65536 + 256, 4096, 4, 132, codebook=2, smem_limit=1 << 20).tier == "h8"
-    monkeypatch.setenv("EXL3_VLLM_INT8", "0")
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "i4,i8")
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "h8"
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "i4")
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "i8"
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "i*, h8")
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "m16"
+    monkeypatch.delenv("EXL3_VLLM_DISABLE")
     monkeypatch.setenv("EXL3_VLLM_TIER", "i8")
     with pytest.raises(kop.KernelError, match="mul1"):
         kop.plan(1, 4096, 4096, 4, 132, codebook=1)
@@ -225,7 +230,7 @@ def test_plan_fixed_suffix(monkeypatch):
 def test_plan_streamk_whole_waves(monkeypatch):
     """Stream-k runs full waves of whole column blocks first and shares out only the rest (224 column blocks on 132
     blocks: one whole wave, 92 column blocks as units); none when the layer is narrower than a wave, when
-    EXL3_VLLM_STREAMK_DP=0, or for an int8 tier whose whole column block would pass the int32 bound."""
+    streamk-dp is disabled, or for an int8 tier whose whole column block would pass the int32 bound."""
     p = kop.plan(256, 8192, 28672, 4, 132, codebook=2, arch=90, force="x256")
     assert (p.stream, p.dp) == (132, 132)
     q = kop.plan(512, 8192, 28672, 4, 132, codebook=2, arch=90, force="x256")
@@ -233,8 +238,10 @@ def test_plan_streamk_whole_waves(monkeypatch):
     assert kop.plan(256, 4096, 4096, 4, 132, codebook=2, arch=90, force="x256").dp == 0
     r = kop.plan(1, 32768, 28672, 4, 66, codebook=2, arch=90, force="i8")
     assert r.stream and r.dp == 0
-    monkeypatch.setenv("EXL3_VLLM_STREAMK_DP", "0")
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "streamk-dp")
     assert kop.plan(256, 8192, 28672, 4, 132, codebook=2, arch=90, force="x256").dp == 0
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "streamk")
+    assert kop.plan(256, 8192, 28672, 4, 132, codebook=2, arch=90, force="x256").stream == 0
 
 
 def test_plan_split_suffix_and_split_candidates():
@@ -301,7 +308,7 @@ def test_plan_wg_tiers(monkeypatch):
     assert kop.plan(settings.get('EXL3_VLLM_LARGE_M') + 1, 4096, 4096, 4, 132, arch=90).path == "dequant"
     assert kop.plan(33, 4096, 4096, 4, 132, arch=89).tier == "m64"
     assert kop.plan(33, 4096, 4096, 4, 132, arch=100).tier == "m64"
-    monkeypatch.setenv("EXL3_VLLM_WGMMA", "0")
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "w*,x*")
     assert kop.plan(33, 4096, 4096, 4, 132, arch=90).tier == "m64"
     assert kop.plan(200, 4096, 4096, 4, 132, arch=90).path == "dequant"
     monkeypatch.setenv("EXL3_VLLM_TIER", "w64")
@@ -315,9 +322,9 @@ def test_tune_cache_key_follows_the_tier_set(monkeypatch):
     from exl3_vllm.kernels import nvrtc, tune, variants
     tag = tune.tier_set_tag()
     assert len(tag) == 8 and tag == tune.tier_set_tag()
-    monkeypatch.setenv("EXL3_VLLM_STREAMK_DP", "0")
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "streamk-dp")
     assert tune.tier_set_tag() != tag
-    monkeypatch.delenv("EXL3_VLLM_STREAMK_DP")
+    monkeypatch.delenv("EXL3_VLLM_DISABLE")
     real = nvrtc.read_source
     monkeypatch.setattr(nvrtc, "read_source",
                         lambda name: real(name) + (b"// edited" if name == variants.LINEAR_SOURCE else b""))
@@ -329,8 +336,8 @@ def test_tune_cache_key_follows_the_tier_set(monkeypatch):
 
 
 def test_a_switched_off_tier_is_never_dispatched_from_a_cached_table(monkeypatch):
-    """A table timed with every tier on, read while EXL3_VLLM_INT8=0 / WGMMA=0 / WS=0 say off: the call takes the
-    static plan among the tiers still on, and the switches key another cache file (timed anew)."""
+    """A table timed with every tier on, read while EXL3_VLLM_DISABLE leaves tiers out: the call takes the static plan
+    among the tiers still on, and the list keys another cache file (timed anew)."""
     from types import SimpleNamespace
     from exl3_vllm.kernels import tune
     d = SimpleNamespace(index=99, arch=90, sms=132, smem_limit=227 * 1024)
@@ -340,16 +347,48 @@ def test_a_switched_off_tier_is_never_dispatched_from_a_cached_table(monkeypatch
     plan = lambda m: kop.plan_for(d, m, 4096, 4096, 4, 2, [4096])  # noqa: E731
     assert [plan(m).tier for m in (1, 8, 32, 64, 128)] == ["i4", "i8", "w32", "w64n", "x128"]
     tag = tune.tier_set_tag()
-    for var, off in (("EXL3_VLLM_INT8", {1, 8}), ("EXL3_VLLM_WGMMA", {32, 64, 128}), ("EXL3_VLLM_WS", {128})):
-        monkeypatch.setenv(var, "0")
+    for items, off, left_out in (("i4,i8", {1, 8}, lambda t: t.int8), ("w*,x*", {32, 64, 128}, lambda t: t.wg),
+                                 ("x*", {128}, lambda t: t.ws), ("w64", {64}, lambda t: t.name.startswith("w64")),
+                                 ("i4, w32, x128", {1, 32, 128}, lambda t: t.name in ("i4", "w32", "x128"))):
+        monkeypatch.setenv("EXL3_VLLM_DISABLE", items)
         assert tune.tier_set_tag() != tag
         for m in (1, 8, 32, 64, 128):
             p = plan(m)
-            assert not (m in off and p.tier == tune._table[key][m].split(":")[0]), (var, m, p)
-            t = kop.TIERS[p.tier]
-            assert not (var.endswith("INT8") and t.int8 or var.endswith("WGMMA") and t.wg or t.ws and var.endswith("WS"))
+            assert not (m in off and p.tier == tune._table[key][m].split(":")[0]), (items, m, p)
+            assert not left_out(kop.TIERS[p.tier]), (items, m, p)
         assert plan(256).path == "dequant"
-        monkeypatch.delenv(var)
+        monkeypatch.delenv("EXL3_VLLM_DISABLE")
+
+
+def test_disable_list_is_checked_and_replaces_the_old_switches(monkeypatch):
+    """EXL3_VLLM_DISABLE: an item that is no tier and no feature, or an old per-family switch set to 0, is refused
+    with the spelling to use; with every tier that could run disabled, the dequant path runs; the measured
+    dispatch times only what is left."""
+    from types import SimpleNamespace
+    from exl3_vllm import settings
+    from exl3_vllm.kernels import tune
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "i8,warp")
+    with pytest.raises(settings.SettingError, match="warp, which is no tier"):
+        kop.plan(1, 4096, 4096, 4, 132, codebook=2)
+    monkeypatch.delenv("EXL3_VLLM_DISABLE")
+    monkeypatch.setenv("EXL3_VLLM_INT8", "0")
+    with pytest.raises(settings.SettingError, match="EXL3_VLLM_DISABLE=i4,i8"):
+        kop.plan(1, 4096, 4096, 4, 132, codebook=2)
+    monkeypatch.setenv("EXL3_VLLM_INT8", "1")  # the old default is harmless
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "i4"
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "i*,h*,m*,w*,x*")
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).path == "dequant"
+    hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024)
+    assert tune.candidates(hopper, 1, 4096, 4, 2, 4096) == ["dequant"]
+    with pytest.raises(kop.KernelError, match="leaves no tier for the experts"):
+        from exl3_vllm.kernels.moe import moe_plan
+        moe_plan(16, 2, 8, 2048, 1536, 768, 2048, [4], [2], 132)
+    monkeypatch.setenv("EXL3_VLLM_DISABLE", "x*, w64")
+    cands = tune.candidates(hopper, 64, 4096, 4, 1, 4096)
+    assert cands and not [c for c in cands if c.startswith(("x", "w64"))], cands
+    monkeypatch.setenv("EXL3_VLLM_TIER", "x128")
+    with pytest.raises(kop.KernelError, match="EXL3_VLLM_DISABLE leaves out"):
+        kop.plan(64, 4096, 4096, 4, 132, codebook=1, arch=90)
 
 
 def test_tune_buckets_and_candidates():

@@ -290,12 +290,11 @@ def test_int8_tier_wide_k_fused(bits, monkeypatch):
                 floor = _rel(ref.to(dt), ref)
                 out = torch.full((m, n), float("nan"), dtype=dt, device=DEV)
                 kop.linear_cuda(x, trellis, sh, svh, bias, sizes, 2, out=out)
-                monkeypatch.setenv("EXL3_VLLM_INT8", "0")
+                monkeypatch.setenv("EXL3_VLLM_DISABLE", "i4,i8")
                 fp = kop.linear_cuda(x, trellis, sh, svh, bias, sizes, 2)
-                monkeypatch.delenv("EXL3_VLLM_INT8")
-                monkeypatch.setenv("EXL3_VLLM_STREAMK", "0")
+                monkeypatch.setenv("EXL3_VLLM_DISABLE", "streamk")
                 fixed = kop.linear_cuda(x, trellis, sh, svh, bias, sizes, 2)
-                monkeypatch.delenv("EXL3_VLLM_STREAMK")
+                monkeypatch.delenv("EXL3_VLLM_DISABLE")
                 other = ""
                 if m <= 4:
                     monkeypatch.setenv("EXL3_VLLM_TIER", "i8")

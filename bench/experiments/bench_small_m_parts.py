@@ -4,7 +4,7 @@ per-launch floor); every time is a CUDA graph of calls on rotating weight copies
 is one launch (h8 / h16 transform x themselves) has no separate parts: "–".
 
 python bench/experiments/bench_small_m_parts.py --layers 4096x4096,4096x14336 --ms 1,4,16
-EXL3_VLLM_PDL=0 in the environment times the same without programmatic dependent launch.
+EXL3_VLLM_DISABLE=pdl in the environment times the same without programmatic dependent launch.
 """
 
 from __future__ import annotations

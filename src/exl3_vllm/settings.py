@@ -41,6 +41,10 @@ def _text(v: str) -> str:
     return v
 
 
+def _names(v: str) -> frozenset[str]:
+    return frozenset(i.strip().lower() for i in v.split(",") if i.strip())
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -59,14 +63,11 @@ _ALL = (
     Setting("EXL3_VLLM_CACHE_DIR", "", _text, "where compiled kernels and tuning tables go (default "
             "$XDG_CACHE_HOME/exl3_vllm, else ~/.cache/exl3_vllm)"),
     Setting("EXL3_VLLM_TUNE", "1", _on, "0: skip the measured dispatch and use the static plan"),
-    Setting("EXL3_VLLM_INT8", "1", _on, "0: no mul1 int8 tiers (i4, i8)", keys_tune=True),
-    Setting("EXL3_VLLM_WGMMA", "1", _on, "0: no Hopper wgmma tiers", keys_tune=True),
-    Setting("EXL3_VLLM_WS", "1", _on, "0: no warp-specialized Hopper tiers (x64, x128, x256)", keys_tune=True),
-    Setting("EXL3_VLLM_STREAMK", "1", _on, "0: fixed split-k only, no stream-k", keys_tune=True),
-    Setting("EXL3_VLLM_STREAMK_DP", "1", _on, "0: stream-k shares out every wave, not only the last",
+    Setting("EXL3_VLLM_DISABLE", "", _names, "kernel features left out of the dispatch, static and measured (cached "
+            "choices included), comma-separated: tier names or globs (i* the mul1 int8 tiers, w* and x* the Hopper "
+            "wgmma tiers, x* only their warp-specialized ones; a name covers its k8 and n twins), streamk, "
+            "streamk-dp (stream-k shares out only the last wave), pdl (programmatic dependent launch)",
             keys_tune=True),
-    Setting("EXL3_VLLM_PDL", "1", _on, "0: launch the GEMM after the input transform (no programmatic dependent "
-            "launch)"),
     Setting("EXL3_VLLM_TIER", "", _text, "force a tier (or 'dequant'), with ':fixed' or ':s<N>'", developer=True),
     Setting("EXL3_VLLM_SPLITS", "", _opt_int, "force the split-k factor", developer=True),
     Setting("EXL3_VLLM_LARGE_M", "128", _int, "rows above which the static plan takes dequantize + cuBLAS",
@@ -82,6 +83,9 @@ _ALL = (
             developer=True),
 )
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
+# Switches that EXL3_VLLM_DISABLE replaced: set to "0" they are refused with the new spelling, not ignored.
+RETIRED = {"EXL3_VLLM_INT8": "i4,i8", "EXL3_VLLM_WGMMA": "w*,x*", "EXL3_VLLM_WS": "x*",
+           "EXL3_VLLM_STREAMK": "streamk", "EXL3_VLLM_STREAMK_DP": "streamk-dp", "EXL3_VLLM_PDL": "pdl"}
 
 
 def raw(name: str) -> str:
@@ -91,6 +95,10 @@ def raw(name: str) -> str:
 
 def get(name: str) -> Any:
     """The variable's value, parsed; a value it cannot take raises SettingError naming it."""
+    for old, items in RETIRED.items():
+        if os.environ.get(old, "1") != "1":
+            raise SettingError(f"{old} is no longer read: set EXL3_VLLM_DISABLE={items} instead (with any other "
+                               "items, comma-separated)")
     s = SETTINGS[name]
     v = raw(name)
     try:

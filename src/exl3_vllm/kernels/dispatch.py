@@ -3,6 +3,7 @@ and the switches that turn families off. Pure decisions on shapes and settings: 
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 import torch
@@ -21,20 +22,51 @@ def deterministic() -> bool:
     return settings.get("EXL3_VLLM_DETERMINISTIC")
 
 
+FEATURES = ("streamk", "streamk-dp", "pdl")
+
+
+def _base(name: str) -> str:
+    """A tier's family name: its k8 and 128-column n twins go with it (h8k8 -> h8, w64n -> w64)."""
+    name = name[:-2] if name.endswith("k8") else name
+    return name[:-1] if name.endswith("n") else name
+
+
+def disabled() -> frozenset[str]:
+    """EXL3_VLLM_DISABLE's items; one that names no tier and no feature is refused, not ignored."""
+    items = settings.get("EXL3_VLLM_DISABLE")
+    names = {_base(t) for t in TIERS} | set(TIERS)
+    bad = sorted(i for i in items if i not in FEATURES and not fnmatch.filter(names, i))
+    if bad:
+        raise settings.SettingError(f"EXL3_VLLM_DISABLE names {', '.join(bad)}, which is no tier and no feature: "
+                                    f"tiers {', '.join(sorted({_base(t) for t in TIERS}))}; features "
+                                    f"{', '.join(FEATURES)}")
+    return items
+
+
+def tier_on(tier) -> bool:
+    """Whether EXL3_VLLM_DISABLE leaves tier (a Tier) in the dispatch."""
+    return not any(fnmatch.fnmatch(_base(tier.name), i) or fnmatch.fnmatch(tier.name, i)
+                   for i in disabled() if i not in FEATURES)
+
+
+def feature_on(name: str) -> bool:
+    return name not in disabled()
+
+
 def wg_enabled(arch: int) -> bool:
-    """The Hopper wgmma tiers: built for sm_90a only; EXL3_VLLM_WGMMA=0 falls back to the mma.sync tiers."""
-    return arch == WG_ARCH and settings.get("EXL3_VLLM_WGMMA")
+    """The Hopper wgmma tiers: built for sm_90a only; with every w tier disabled the mma.sync tiers run instead."""
+    return arch == WG_ARCH and any(t.wg and not t.ws and tier_on(t) for t in TIERS.values())
 
 
 def ws_enabled(arch: int) -> bool:
-    """The warp-specialized Hopper tiers (decode into shared memory); EXL3_VLLM_WS=0 leaves them out of the dispatch."""
-    return wg_enabled(arch) and settings.get("EXL3_VLLM_WS")
+    """The warp-specialized Hopper tiers (decode into shared memory), unless every x tier is disabled."""
+    return arch == WG_ARCH and any(t.ws and tier_on(t) for t in TIERS.values())
 
 
 def pdl_enabled(arch: int) -> bool:
     """The GEMM starts loading its weights while the input transform finishes (programmatic dependent launch, sm_90+);
-    EXL3_VLLM_PDL=0 launches it after the transform as usual."""
-    return arch >= 90 and settings.get("EXL3_VLLM_PDL")
+    disabling pdl launches it after the transform as usual."""
+    return arch >= 90 and feature_on("pdl")
 
 
 def fused_input(tier, p: "Plan", m: int, n_total: int, bits: float, sms: int, smem_limit: int) -> bool:
@@ -96,29 +128,36 @@ class Plan:
 INT8_SEGMENT_STEPS = 1024
 
 
+def int8_tier(m: int):
+    """The mul1 integer tier for m rows (i4 up to 4 rows, else i8), None if m is over both or they are disabled."""
+    return next((t for t in (TIERS["i4"], TIERS["i8"]) if m <= t.bm and tier_on(t)), None)
+
+
 def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
     """The mul1 integer tier: few rows, the row's input transform fits in shared memory, no int32 overflow."""
     return (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit and k <= 65536
-            and settings.get("EXL3_VLLM_INT8"))
+            and int8_tier(m) is not None)
 
 
 def wg_tier(m: int, bits: float, smem_limit: int, col_align: int):
     """The Hopper tier for m rows: fewest rows that hold m, then the widest block (x is re-read per column block)."""
-    wgs = [t for t in TIERS.values() if t.wg and not t.ws and t.smem(bits) <= smem_limit and col_align % t.cols == 0]
+    wgs = [t for t in TIERS.values() if t.wg and not t.ws and t.smem(bits) <= smem_limit and col_align % t.cols == 0
+           and tier_on(t)]
     fit = [t for t in wgs if m <= t.bm]
-    return min(fit, key=lambda t: (t.bm, -t.cols)) if fit else max(wgs, key=lambda t: (t.bm, t.cols))
+    return min(fit, key=lambda t: (t.bm, -t.cols)) if fit else max(wgs, key=lambda t: (t.bm, t.cols), default=None)
 
 
 def ws_tier(m: int, bits: float, smem_limit: int):
     """The warp-specialized Hopper tier for m rows: fewest rows that hold m (more rows run as row blocks)."""
-    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit), key=lambda t: t.bm)
+    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit and tier_on(t)), key=lambda t: t.bm)
     return next((t for t in fits if m <= t.bm), fits[-1]) if fits else None
 
 
 def mma_tier(m: int, bits: float, smem_limit: int):
-    """The mma.sync tier for m rows (any sm_80+)."""
-    fits = [t for t in TIERS.values() if not t.int8 and not t.wg and not t.xb and t.smem(bits) <= smem_limit]
-    return next((t for t in fits if m <= t.bm), fits[-1])
+    """The mma.sync tier for m rows (any sm_80+), None if every one is disabled."""
+    fits = [t for t in TIERS.values() if not t.int8 and not t.wg and not t.xb and t.smem(bits) <= smem_limit
+            and tier_on(t)]
+    return next((t for t in fits if m <= t.bm), fits[-1] if fits else None)
 
 
 def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | None = None,
@@ -155,14 +194,17 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         if col_align % tier.cols:
             raise KernelError(f"EXL3_VLLM_TIER={force} covers {tier.cols} columns per block; this layer's shards "
                               f"are multiples of {col_align} only (use the 'n' twin, e.g. w64n)")
+        if not tier_on(tier):
+            raise KernelError(f"EXL3_VLLM_TIER={force} is a tier that EXL3_VLLM_DISABLE leaves out")
     elif int8_ok(m, k, codebook, smem_limit):
-        tier = TIERS["i4"] if m <= TIERS["i4"].bm else TIERS["i8"]
-    elif m <= TIERS["h8"].bm and TIERS["h8"].smem(bits) <= smem_limit:
+        tier = int8_tier(m)
+    elif m <= TIERS["h8"].bm and TIERS["h8"].smem(bits) <= smem_limit and tier_on(TIERS["h8"]):
         tier = TIERS["h8"]
-    elif wg_enabled(arch):
-        tier = wg_tier(m, bits, smem_limit, col_align)
     else:
-        tier = mma_tier(m, bits, smem_limit)
+        tier = (wg_tier(m, bits, smem_limit, col_align) if arch == WG_ARCH else None) or mma_tier(m, bits, smem_limit)
+    if tier is None:  # every tier that could run here is disabled: the dequant path runs any shape
+        cols = max(128, (dequant_bytes() // (2 * k)) // 128 * 128)
+        return Plan("dequant", chunk=min(cols, max_shard or n_total))
     tier = for_k(tier, k)
     mblocks = -(-m // tier.bm)
     ktiles = k // 16
@@ -180,7 +222,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     blocks = base * splits
     fill = blocks / (-(-blocks // slots) * slots)
     if (tier.stream and fill < 0.9 and fs is None and not fixed and not deterministic()
-            and settings.get("EXL3_VLLM_STREAMK")):
+            and feature_on("streamk")):
         # A partial last wave (224 column blocks x 2 splits on 264 slots: 85%) idles SMs; stream-k gives every
         # resident block the same number of (column block, stage) units instead.
         units = (n_total // tier.cols) * (ktiles // tier.ks)
@@ -189,7 +231,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
             stream = max(stream, -(-units * tier.ks // INT8_SEGMENT_STEPS))
         # Whole waves of column blocks need no partial sums; only the last partial wave is shared out as units.
         dp = 0
-        if settings.get("EXL3_VLLM_STREAMK_DP") and (not tier.int8 or ktiles <= INT8_SEGMENT_STEPS):
+        if feature_on("streamk-dp") and (not tier.int8 or ktiles <= INT8_SEGMENT_STEPS):
             dp = (n_total // tier.cols) // stream * stream
         return Plan("gemm", tier.name, splits, steps, stream=stream, dp=dp)
     return Plan("gemm", tier.name, splits, steps)
@@ -203,9 +245,9 @@ def passed_over(m: int, k: int, bits: float, codebook: int, arch: int, smem: int
     if m > large_m():
         return [f"m > {large_m()} (EXL3_VLLM_LARGE_M): dequantize + cuBLAS"]
     if not int8_ok(m, k, codebook, smem):
-        reason = ("off (EXL3_VLLM_INT8=0)" if not settings.get("EXL3_VLLM_INT8") else
-                  f"codebook {CODEBOOKS[codebook]}, the int8 tiers are mul1 only" if codebook != 2 else
-                  f"m > {INT8_MAX_M}" if m > INT8_MAX_M else f"k={k}: x does not fit shared memory")
+        reason = (f"codebook {CODEBOOKS[codebook]}, the int8 tiers are mul1 only" if codebook != 2 else
+                  f"m > {INT8_MAX_M}" if m > INT8_MAX_M else
+                  "disabled (EXL3_VLLM_DISABLE)" if int8_tier(m) is None else f"k={k}: x does not fit shared memory")
         why.append(f"i4/i8: {reason}")
     else:
         return why
@@ -213,18 +255,20 @@ def passed_over(m: int, k: int, bits: float, codebook: int, arch: int, smem: int
         why.append(f"h8: m > {TIERS['h8'].bm}")
     elif TIERS["h8"].smem(bits) > smem:
         why.append("h8: over the shared memory limit")
+    elif not tier_on(TIERS["h8"]):
+        why.append("h8: disabled (EXL3_VLLM_DISABLE)")
     else:
         return why
-    if not wg_enabled(arch):
-        why.append("wgmma: off (EXL3_VLLM_WGMMA=0)" if arch == 90 else f"wgmma: sm_{arch} is not sm_90")
+    if arch != WG_ARCH:
+        why.append(f"wgmma: sm_{arch} is not sm_90")
+    elif not wg_enabled(arch):
+        why.append("wgmma: disabled (EXL3_VLLM_DISABLE)")
     return why
 
 
 def switched_on(choice: str, arch: int) -> bool:
-    """Whether the EXL3_VLLM_INT8 / WGMMA / WS switches allow a measured choice ("<tier>[:opts]" or "dequant")."""
+    """Whether EXL3_VLLM_DISABLE and the GPU allow a measured choice ("<tier>[:opts]" or "dequant")."""
     tier = TIERS.get(choice.split(":")[0])
     if tier is None:
         return True
-    if tier.int8 and not settings.get("EXL3_VLLM_INT8"):
-        return False
-    return not (tier.ws and not ws_enabled(arch) or tier.wg and not wg_enabled(arch))
+    return tier_on(tier) and (not tier.wg or arch == WG_ARCH)

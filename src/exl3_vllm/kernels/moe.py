@@ -13,7 +13,7 @@ import torch
 from .. import settings
 from . import nvrtc
 from .nvrtc import KernelError
-from .dispatch import bits_of, deterministic, int8_ok
+from .dispatch import bits_of, deterministic, int8_ok, tier_on
 from .runtime import BUF_DTYPES, ZERO_BUFS, GemmArgs, device_for
 from .variants import (IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, for_k, gemm_kernel_name, linear_defines,
                        whole_stages)
@@ -50,17 +50,23 @@ def moe_plan(tokens: int, topk: int, n_experts: int, k13: int, n13: int, k2: int
     active = max(1, min(n_experts, pairs))
     avg = pairs / active
     force = settings.get("EXL3_VLLM_TIER")
-    fp16 = [t for t in TIERS.values() if t.experts and not t.int8 and all(t.smem(b) <= smem_limit for b in bits)]
+    fp16 = [t for t in TIERS.values() if t.experts and not t.int8 and all(t.smem(b) <= smem_limit for b in bits)
+            and tier_on(t)]
     if force and force != "dequant":
         if force not in TIERS or not TIERS[force].experts:
             raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of the MoE tiers "
                               f"{sorted(t for t in TIERS if TIERS[t].experts)}")
         tier = TIERS[force]
+        if not tier_on(tier):
+            raise KernelError(f"EXL3_VLLM_TIER={force} is a tier that EXL3_VLLM_DISABLE leaves out")
     elif (avg <= TIERS["i8"].bm and all(c == 2 for c in codebooks)
-          and int8_ok(1, max(k13, k2), 2, smem_limit)):
+          and int8_ok(1, max(k13, k2), 2, smem_limit) and tier_on(TIERS["i8"])):
         tier = TIERS["i8"]
-    else:
+    elif fp16:
         tier = next((t for t in fp16 if avg <= t.bm), fp16[-1])
+    else:
+        raise KernelError(f"EXL3_VLLM_DISABLE={settings.raw('EXL3_VLLM_DISABLE')} leaves no tier for the experts "
+                          f"(they run on {sorted(t for t in TIERS if TIERS[t].experts and not TIERS[t].int8)})")
     if tier.int8 and not all(c == 2 for c in codebooks):
         raise KernelError("EXL3_VLLM_TIER=i8 needs every expert on the mul1 codebook")
     tier = for_k(tier, math.gcd(k13, k2))  # one tier for both projections: whole stages of either k

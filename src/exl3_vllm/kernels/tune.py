@@ -23,7 +23,8 @@ import torch
 
 from .. import settings
 from . import clock, nvrtc, variants
-from .dispatch import deterministic, int8_ok, mma_tier, plan, wg_enabled, wg_tier, ws_enabled, ws_tier
+from .dispatch import (deterministic, int8_ok, mma_tier, plan, switched_on, wg_enabled, wg_tier, ws_enabled,
+                       ws_tier)
 from .nvrtc import KernelError, cache_dir, nvrtc_version
 from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
 
@@ -139,8 +140,8 @@ def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) ->
         out += ["i4", "i8"] if m <= TIERS["i4"].bm else ["i8"]
     if m <= TIERS["h16"].bm:
         out.append("h8" if m <= TIERS["h8"].bm else "h16")
-    if wg_enabled(d.arch) and m <= 128:
-        t = wg_tier(m, bits, d.smem_limit, col_align)
+    t = wg_tier(m, bits, d.smem_limit, col_align) if wg_enabled(d.arch) and m <= 128 else None
+    if t is not None:
         out.append(t.name)
         # Its 128-column twin as well: two smaller blocks per SM were faster on some layers (4096x4096 at 64-128 rows).
         twin = TIERS.get(t.name + "n")
@@ -151,11 +152,11 @@ def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) ->
         near = [t.name for t in TIERS.values() if t.ws and m <= 2 * t.bm and t.bm <= 2 * m and t.smem(bits) <= d.smem_limit]
         t = ws_tier(m, bits, d.smem_limit)
         out += near or ([t.name] if t is not None else [])
-    if m <= 128:
-        out.append(mma_tier(m, bits, d.smem_limit).name)
-    if m >= 32:
-        out.append("dequant")
-    return out
+    t = mma_tier(m, bits, d.smem_limit) if m <= 128 else None
+    if t is not None:
+        out.append(t.name)
+    out = [c for c in dict.fromkeys(out) if switched_on(c, d.arch)]
+    return out + ["dequant"] if m >= 32 or not out else out
 
 
 def with_fixed(d, cands: list[str], m: int, k: int, n_total: int, bits: float, codebook: int,
