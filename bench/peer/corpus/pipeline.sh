@@ -64,8 +64,8 @@ wait $BUILD
 tail -n 3 $C/build.log
 grep -q "rc=0" $C/build.log || { stamp "build FAILED"; grep -m 20 -i "error" $C/build.log; exit 1; }
 stamp "built"
-# Convert every job of the set (those that quantize the embedding first: they hold the GPU longest); exllamav3's reference forward follows each checkpoint as it lands, so
-# the engines (gate.sh) start on the first ones while the rest convert.
+# Convert every job of the set (those that quantize the embedding first: they hold the GPU longest). exllamav3's
+# reference forward follows each checkpoint as it lands, so the engines (gate.sh) start while the rest convert.
 python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} $SKIP --jobs ${JOBS:-5} \
   >> $C/convert.log 2>&1 &
 CONV=$!
