@@ -15,14 +15,16 @@ import subprocess
 
 KINDS = ("exl3", "bf16")
 DEVICE_CALLS = [("bash bench/serve_gpu/run_prepare.sh .vkit/c0", '[".vkit/c0"]'),
-                ("bash bench/serve_gpu/run_exactness.sh .vkit/c1", '[".vkit/c1"]'),
+                ("bash .vkit/c1/stage.sh .vkit/c1", '[".vkit/c1"]'),
+                ("bash bench/serve_gpu/run_exactness.sh .vkit/c2", '[".vkit/c2"]'),
                 ("bash bench/serve_gpu/run_speed.sh exl3", "[]"), ("bash bench/serve_gpu/run_speed.sh bf16", "[]")]
-# The MoE sitting (README.md here): the add-on part, eager exactness and the exl3 rows share the c1 call.
+# The MoE sitting (README.md here): the add-on part, eager exactness and the exl3 rows share the c2 call.
 MOE_ROWS = "--preset qwen3-30b-a3b --rows 1024:1:10,1024:16:96,1024:64:192"
 MOE_DEVICE_CALLS = [('SPEED_ARGS="--preset qwen3-30b-a3b" bash bench/serve_gpu/run_prepare.sh .vkit/c0', '[".vkit/c0"]'),
-                    ("bash .vkit/c2/stage.sh .vkit/c2", '[".vkit/c2"]'),
-                    ('BUDGET_S=115 EXACT_ARGS="--moe --eager --tokens 16" bash bench/serve_gpu/run_exactness.sh .vkit/c1; '
-                     f'SPEED_ARGS="{MOE_ROWS}" bash bench/serve_gpu/run_speed.sh exl3', '[".vkit/c1"]'),
+                    ("bash .vkit/c3/stage.sh .vkit/c3", '[".vkit/c3"]'),
+                    ("bash .vkit/c1/stage.sh .vkit/c1", '[".vkit/c1"]'),
+                    ('BUDGET_S=115 EXACT_ARGS="--moe --eager --tokens 16" bash bench/serve_gpu/run_exactness.sh .vkit/c2; '
+                     f'SPEED_ARGS="{MOE_ROWS}" bash bench/serve_gpu/run_speed.sh exl3', '[".vkit/c2"]'),
                     (f'SPEED_ARGS="{MOE_ROWS}" bash bench/serve_gpu/run_speed.sh bf16', "[]")]
 # Per preset: title, model line, device calls.
 MODELS = {
