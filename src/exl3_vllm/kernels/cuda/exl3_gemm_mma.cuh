@@ -23,17 +23,6 @@ EXL3_INLINE void mma_16832_u8s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// mma_16816 in the h8 / h16 loop; EXL3_DIAG_NO_MMA folds the operands into the accumulator instead (bound analysis
-// only, wrong results: the loop without the tensor-core work).
-EXL3_INLINE void mma_16816_d(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1)
-{
-#ifdef EXL3_DIAG_NO_MMA
-    c[0] = __uint_as_float(__float_as_uint(c[0]) ^ a[0] ^ a[1] ^ a[2] ^ a[3] ^ b0 ^ b1);
-#else
-    mma_16816(c, a, b0, b1);
-#endif
-}
-
 // This lane's words of the tile whose words start at tw (shared memory).
 EXL3_INLINE void tile_words(const u32* tw, const LaneMap<KA, HALF>& lm, u32 (&w)[TL::NW])
 {
@@ -139,7 +128,6 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
     constexpr bool I8 = MODE == 1 || MODE == 2;
     constexpr int MT = I8 ? 1 : MODE == 3 ? BM / 8 : BM / 16;
     constexpr int W32 = TL::W32;
-    constexpr int NW = TL::NW;
     constexpr int B_STEP = 8 * W32;
     constexpr int B_STAGE = KS * B_STEP;
     constexpr int A_LD = KS * 16 + 8;
@@ -274,7 +262,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                     x0[nb] = prmt(xa[nb], 0u, 0x1010); x1[nb] = prmt(xa[nb], 0u, 0x3232);
                     x2[nb] = prmt(xb[nb], 0u, 0x1010); x3[nb] = prmt(xb[nb], 0u, 0x3232);
                     if constexpr (SUMS)
-                        mma_16816_d(xsum[nb], {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u}, xa[nb], xb[nb]);
+                        mma_16816(xsum[nb], {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u}, xa[nb], xb[nb]);
                 }
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
@@ -283,12 +271,7 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                     if constexpr (CB == 2)
                     {
                         u32 st[8];
-#ifdef EXL3_DIAG_NO_DECODE  // bound analysis only (wrong results): the tile's raw words instead of its states
-                        #pragma unroll
-                        for (int q = 0; q < 8; ++q) st[q] = tw[lm.idx[q % NW]];
-#else
                         tile_states(tw, lm, st);
-#endif
                         if constexpr (ZHI)
                         {
                             // Each 1024 + bytesum alone in its word (upper half zero): the even-k states against x as
@@ -299,36 +282,27 @@ __device__ __forceinline__ void gemm_segment(const GemmArgs& p, const u32* trell
                             #pragma unroll
                             for (int nb = 0; nb < MT; ++nb)
                             {
-                                mma_16816_d(acc[nb][nt], {h[0], h[4], h[2], h[6]}, xa[nb], xb[nb]);
-                                mma_16816_d(acc[nb][nt], {h[1], h[5], h[3], h[7]}, x1[nb], x3[nb]);
+                                mma_16816(acc[nb][nt], {h[0], h[4], h[2], h[6]}, xa[nb], xb[nb]);
+                                mma_16816(acc[nb][nt], {h[1], h[5], h[3], h[7]}, x1[nb], x3[nb]);
                             }
                             continue;
                         }
                         u32 b[4];
-#ifdef EXL3_DIAG_NO_DECODE
-                        b[0] = st[0]; b[1] = st[1]; b[2] = st[2]; b[3] = st[3];
-#else
                         if constexpr (SUMS) mul1_sums_to_frag(st, b);
                         else mul1_states_to_frag(st, b);
-#endif
                         #pragma unroll
                         for (int nb = 0; nb < MT; ++nb)
-                            mma_16816_d(acc[nb][nt], {b[0], b[2], b[1], b[3]}, xa[nb], xb[nb]);
+                            mma_16816(acc[nb][nt], {b[0], b[2], b[1], b[3]}, xa[nb], xb[nb]);
                     }
                     else
                     {
                         u32 h[8];
-#ifdef EXL3_DIAG_NO_DECODE
-                        #pragma unroll
-                        for (int q = 0; q < 8; ++q) h[q] = tw[lm.idx[q % NW]];
-#else
                         tile_halves(tw, lm, h);
-#endif
                         #pragma unroll
                         for (int nb = 0; nb < MT; ++nb)
                         {
-                            mma_16816_d(acc[nb][nt], {h[0], h[4], h[1], h[5]}, x0[nb], x1[nb]);
-                            mma_16816_d(acc[nb][nt], {h[2], h[6], h[3], h[7]}, x2[nb], x3[nb]);
+                            mma_16816(acc[nb][nt], {h[0], h[4], h[1], h[5]}, x0[nb], x1[nb]);
+                            mma_16816(acc[nb][nt], {h[2], h[6], h[3], h[7]}, x2[nb], x3[nb]);
                         }
                     }
                 }

@@ -79,11 +79,7 @@ __device__ __forceinline__ void segment_tail(const GemmArgs& p, const u16* svh, 
     constexpr int THREADS = 32 * NWARPS;
     const int tid = threadIdx.x;
     const int ncol0 = cb * 128;
-#ifdef EXL3_DIAG_NO_TAIL  // bound analysis only (wrong results): every split runs the epilogue on its own partials
-    if (true)
-#else
     if (ncontrib == 1)
-#endif
     {
         epilogue_rows<OUT_BF16, NWARPS>(red, rows, row0, ncol0, p, svh);
         return;

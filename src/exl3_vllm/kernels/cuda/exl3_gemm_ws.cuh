@@ -203,15 +203,11 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 // through, counted on the stage's barrier (no per-thread copies or arrivals).
                 if (pw == xw && lane == 0)
                 {
-#ifdef EXL3_DIAG_NO_X  // bound analysis only (wrong results): the pipeline without the x loads
-                    mbar_arrive(full + 8 * buf);
-#else
                     const u32 xdst = sx + buf * SH::X_STAGE;
                     mbar_arrive_expect_tx(full + 8 * buf, (KS / 4) * rows * 128);
                     #pragma unroll
                     for (int a = 0; a < KS / 4; ++a)
                         bulk_g2s(xdst + a * (BN * 128), XG + (size_t)(s * (KS / 4) + a) * gstep, rows * 128, full + 8 * buf);
-#endif
                 }
                 if (++xw == SH::NPW) xw = 0;
                 __syncwarp();  // the ring slot loaded next was read by every lane in the previous stage
@@ -227,9 +223,6 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                 #pragma unroll
                 for (int j = 0; j < SH::UPW; ++j)
                 {
-#ifdef EXL3_DIAG_NO_DECODE
-                    break;  // bound analysis only (wrong results): the pipeline without the decode
-#endif
                     // The next tile's words now: loads cannot move past stmatrix (an asm with a memory clobber), so
                     // without this every tile would wait out a shared-memory load latency.
                     u32 wn[NW];
@@ -272,7 +265,6 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                     for (int i = 0; i < KS; ++i) ldmatrix_x4(af[i], sa + buf * SH::A_STAGE + i * SH::A_STEP + a_lane);
                 }
                 wgmma_fence();
-#ifndef EXL3_DIAG_NO_MMA  // bound analysis only (wrong results): the pipeline without the tensor-core work
                 #pragma unroll
                 for (int i = 0; i < KS; ++i)  // step i's A is A_STEP bytes further: one add to the start-address field
                 {
@@ -286,7 +278,6 @@ __device__ __forceinline__ void ws_body(const GemmArgs& p, char* smem)
                     else
                         wgmma_ss<BN>(acc, adi, xdi);
                 }
-#endif
                 wgmma_commit();
                 // The stage goes back as soon as its wgmmas are done: its x load is the next one the producers issue.
                 wgmma_wait<0>();
