@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from exl3_vllm.kernels import clock  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us as graph_time  # noqa: E402  (bench_moe imports it from here)
+from decode_floor import decode_floor  # noqa: E402
 
 LAYERS = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]
 ALL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -192,7 +193,7 @@ def main():
             t_prep = time.time() - t_prep
             sink = torch.empty(sms * 8 * 256, dtype=torch.int32, device=dev)
             clock.rest(0)
-            td = graph_time([lambda t=t: kop.decode_floor(t, cb, sink) for t in (trs * 4)[:max(args.calls, nc)]], args.reps)
+            td = graph_time([lambda t=t: decode_floor(t, cb, sink) for t in (trs * 4)[:max(args.calls, nc)]], args.reps)
             decode_rate = k * n / (td * 1e-6)
             print(f"layer {k}x{n} K={bits} {cbn}: decode-only {td:.1f} us ({decode_rate / 1e12:.2f} Tweights/s), "
                   f"{nc} weight copies, prepare (compile + tune) {t_prep:.1f} s", flush=True)

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_linear import CB, copies_for, graph_time, measure_ceilings  # noqa: E402  (also puts src/ on sys.path)
 from exl3_vllm.kernels import clock  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
+from decode_floor import decode_floor  # noqa: E402
 
 ALL_T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 LIGHT_T = 256  # rows with T <= this wait for a rested SM clock (see bench/README.md, measurement notes)
@@ -368,8 +369,8 @@ def main():
                    for _ in range(nc)]
             ent.update(cb=cb, w13=w13s, w2=w2s, nc=nc)
             # decode-only rate over the whole layer (each expert stack seen as one big 2D trellis), rotated copies
-            dec = [lambda a=a, b=b: (kop.decode_floor(a.view(-1, 2 * I // 16, 16 * bits), cb, sink),
-                                     kop.decode_floor(b.view(-1, H // 16, 16 * bits), cb, sink))
+            dec = [lambda a=a, b=b: (decode_floor(a.view(-1, 2 * I // 16, 16 * bits), cb, sink),
+                                     decode_floor(b.view(-1, H // 16, 16 * bits), cb, sink))
                    for a, b in zip(w13s, w2s)]
             td = graph_time((dec * (args.calls // nc + 1))[:max(args.calls, nc)], args.reps)
             ent["decode_rate"] = E * per_expert_w / (td * 1e-6)

@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from exl3_vllm.kernels import nvrtc  # noqa: E402
 from exl3_vllm.kernels.variants import CODEBOOKS, LINEAR_SOURCE, linear_defines  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_floor import compile_decode_sum  # noqa: E402
+
 # One immediate per state and tile in each codebook's decode (exl3_common.cuh): how the loop's tiles are counted.
 # mcg / mul1: the state multiplier; 3inst: its addend (ptxas keeps 3inst's multiplier in a register).
 MULTIPLIERS = {0: 64248484, 1: 0xCBAC1FED, 2: 0x83DCD12D}
@@ -55,22 +58,28 @@ def find_nvdisasm() -> str:
 
 
 def disassemble(bits: float, codebook: int, arch: int = 90, defines: str = "") -> tuple[dict, dict]:
-    """The linear module of (bits, codebook) for sm_<arch>, through the package's NVRTC path and cache, with extra
-    defines "NAME=V,.." (EXL3_VLLM_EXTRA_DEFINES' syntax): ({kernel: SASS lines}, {kernel: (registers, spill bytes)})."""
+    """The linear module of (bits, codebook) for sm_<arch> and the benchmark's exl3_decode_sum (bench/cuda), through the
+    package's NVRTC path and cache, with extra defines "NAME=V,.." (EXL3_VLLM_EXTRA_DEFINES' syntax):
+    ({kernel: SASS lines}, {kernel: (registers, spill bytes)})."""
     saved = os.environ.get("EXL3_VLLM_EXTRA_DEFINES")
     os.environ["EXL3_VLLM_EXTRA_DEFINES"] = defines
     try:
-        comp = nvrtc.compile_source(LINEAR_SOURCE, arch, linear_defines(bits, codebook))
+        comps = [nvrtc.compile_source(LINEAR_SOURCE, arch, linear_defines(bits, codebook)),
+                 compile_decode_sum(bits, codebook, arch)]
     finally:
         if saved is None:
             del os.environ["EXL3_VLLM_EXTRA_DEFINES"]
         else:
             os.environ["EXL3_VLLM_EXTRA_DEFINES"] = saved
-    with tempfile.TemporaryDirectory() as td:
-        path = os.path.join(td, "m.cubin")
-        Path(path).write_bytes(comp.cubin)
-        sass = subprocess.run([find_nvdisasm(), "-c", path], check=True, capture_output=True, text=True).stdout
-    return functions(sass), {k.name: (k.registers, k.spill_stores) for k in comp.kernels()}
+    funcs, regs = {}, {}
+    for comp in comps:
+        with tempfile.TemporaryDirectory() as td:
+            path = os.path.join(td, "m.cubin")
+            Path(path).write_bytes(comp.cubin)
+            sass = subprocess.run([find_nvdisasm(), "-c", path], check=True, capture_output=True, text=True).stdout
+        funcs.update(functions(sass))
+        regs.update({k.name: (k.registers, k.spill_stores) for k in comp.kernels()})
+    return funcs, regs
 
 
 def functions(sass: str) -> dict[str, list[str]]:

@@ -582,3 +582,13 @@ def test_the_cuda_instantiations_are_the_tier_table():
         assert got == want, (name, got, want)
         assert t.stream == (name in streams), name
     assert fx == {n for n, t in TIERS.items() if t.xb and not t.int8}
+
+
+def test_every_cuda_header_is_registered():
+    """NVRTC finds an include only among the headers nvrtc.HEADERS names, and the compile cache key hashes exactly
+    those: every .cuh of kernels/cuda must be one of them."""
+    from importlib import resources
+
+    from exl3_vllm.kernels.nvrtc import HEADERS
+    cuda = resources.files("exl3_vllm.kernels").joinpath("cuda")
+    assert {f.name for f in cuda.iterdir() if f.name.endswith(".cuh")} == set(HEADERS)

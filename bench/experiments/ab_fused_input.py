@@ -16,9 +16,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402
 from bench_small_m_parts import layer_copies  # noqa: E402
+from decode_floor import decode_floor  # noqa: E402
 
 NAMES = {0: "3inst", 1: "mcg", 2: "mul1"}
 
@@ -60,7 +62,7 @@ def main() -> int:
         for cb in map(int, args.codebooks.split(",")):
             ts, suh, svh = layer_copies(k, n, 4, dev)
             kop.prepare(k, n, 4, cb, max(ms), dev)
-            dec = graph_time_us([lambda t=t: kop.decode_floor(t, cb) for t in ts], args.reps)
+            dec = graph_time_us([lambda t=t: decode_floor(t, cb) for t in ts], args.reps)
             for m in ms:
                 x = torch.randn(m, k, device=dev).bfloat16()
                 p = kop.plan_for(d, m, k, n, 4, cb, [n])

@@ -16,9 +16,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from exl3_vllm.kernels import nvrtc  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us  # noqa: E402
+from decode_floor import decode_floor  # noqa: E402
 
 _launch = nvrtc.launch
 
@@ -70,7 +72,7 @@ def main() -> int:
         for cb in map(int, args.codebooks.split(",")):
             ts, suh, svh = layer_copies(k, n, args.bits, dev)
             kop.prepare(k, n, args.bits, cb, max(map(int, args.ms.split(","))), dev)
-            dec = graph_time_us([lambda t=t: kop.decode_floor(t, cb) for t in ts], args.reps)
+            dec = graph_time_us([lambda t=t: decode_floor(t, cb) for t in ts], args.reps)
             for m in map(int, args.ms.split(",")):
                 x = torch.randn(m, k, device=dev).bfloat16()
                 p = kop.plan_for(kop.device_for(0), m, k, n, args.bits, cb, [n])

@@ -5,6 +5,10 @@ can be compared.
 python bench/experiments/bound_tier.py --tiers x256:s1,x128 --layer 8192x28672 --ms 128,256
 A switch that is not one of SWITCHES is a compile-time variant to compare: defines joined by '+', e.g.
 --switches full,EXL3_DIAG_NO_X+EXL3_DIAG_NO_DECODE
+
+The EXL3_DIAG_* switches (wrong results by design) are no longer in the kernel sources: this experiment's results are
+recorded in bench/results (2026-12-04-linear-h200-dp, -rs); to rerun it, check out 5cd3c98, whose exl3_linear.cu
+has them. Without them every switch set compiles and times the full kernel.
 """
 
 from __future__ import annotations

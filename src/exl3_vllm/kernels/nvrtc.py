@@ -18,7 +18,9 @@ from pathlib import Path
 
 from .. import settings
 
-HEADERS = ("exl3_common.cuh", "exl3_input.cuh", "exl3_wgmma.cuh")
+HEADERS = ("exl3_common.cuh", "exl3_input.cuh", "exl3_wgmma.cuh", "exl3_linear_args.cuh", "exl3_gemm_copy.cuh",
+           "exl3_gemm_tail.cuh", "exl3_gemm_mma.cuh", "exl3_gemm_wg.cuh", "exl3_gemm_body.cuh", "exl3_gemm_ws.cuh",
+           "exl3_recon.cuh")
 # Fixed options; --use_fast_math is avoided so fp32 arithmetic stays IEEE round-to-nearest.
 _BASE_OPTS = ("-std=c++17", "-Xptxas=-v", "--fmad=true")
 

@@ -275,18 +275,3 @@ def _linear_fake(x, trellis, suh, svh, bias, shard_sizes, codebook):
     n_total = trellis.shape[1] * 16
     torch._check(x.shape[-1] == trellis.shape[0] * 16, lambda: "x's last dimension must equal the layer's k")
     return x.new_empty((*x.shape[:-1], n_total))
-
-
-def decode_floor(trellis: torch.Tensor, codebook: int, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Decode every weight of the trellis into MMA fragments and discard them (benchmark floor)."""
-    bits = bits_of(trellis)
-    d = device_for(trellis.device.index)
-    lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
-    blocks = d.sms * 8
-    if sink is None:
-        sink = torch.empty(blocks * 256, dtype=torch.int32, device=trellis.device)
-    ntiles = trellis.shape[0] * trellis.shape[1]
-    nvrtc.launch(lin.function("exl3_decode_sum"), (blocks, 1, 1), (256, 1, 1), 0,
-                 torch.cuda.current_stream(trellis.device).cuda_stream,
-                 [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_int64(ntiles), ctypes.c_uint64(sink.data_ptr())])
-    return sink
