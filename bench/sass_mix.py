@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from exl3_vllm.kernels import nvrtc  # noqa: E402
-from exl3_vllm.kernels.variants import CODEBOOKS, LINEAR_SOURCE, linear_defines  # noqa: E402
+from exl3_vllm.format.codebook import Codebook  # noqa: E402
+from exl3_vllm.kernels.variants import LINEAR_SOURCE, linear_defines  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_floor import compile_decode_sum  # noqa: E402
@@ -182,12 +183,10 @@ def main(argv=None) -> int:
     ap.add_argument("--defines", default="", help="extra compile-time defines NAME=V,.. (experiment switches)")
     ap.add_argument("--top", type=int, default=14, help="opcodes listed per kernel")
     args = ap.parse_args(argv)
-    cb = {v: k for k, v in CODEBOOKS.items()}.get(args.cb, None)
-    if cb is None:
-        cb = int(args.cb)
+    cb = int(Codebook.of(int(args.cb) if args.cb.isdigit() else args.cb))
     bits = int(args.bits) if args.bits == int(args.bits) else args.bits
     funcs, regs = disassemble(bits, cb, args.arch, args.defines)
-    print(f"K={bits} {CODEBOOKS[cb]} sm_{args.arch} defines={args.defines or '-'}")
+    print(f"K={bits} {Codebook(cb).label} sm_{args.arch} defines={args.defines or '-'}")
     print("| kernel | regs | spill B | tiles/iter | instr/tile | ALU | FMA-heavy | FMA-lite | mem | tensor | "
           "est. clk/tile (bound) | top opcodes per tile |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

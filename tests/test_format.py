@@ -242,3 +242,26 @@ def test_linear_rejects_bad_shapes():
         linear(torch.randn(2, 256), t.int(), suh, svh, "mul1")
     with pytest.raises(Exl3FormatError, match="128"):
         linear(torch.randn(2, 64), rand_trellis(4, 16, 4, gen), suh[:64], svh, "mul1")
+
+
+def test_codebook_enum_is_the_one_numbering():
+    """Codebook numbers the codebooks as the kernels' EXL3_CB does and names them as checkpoints do; no module
+    compares a codebook with a bare number."""
+    import os
+    import re
+
+    from exl3_vllm.format.codebook import CODEBOOKS, Codebook
+    from exl3_vllm.kernels.variants import linear_defines
+
+    assert [c.label for c in Codebook] == list(CODEBOOKS)
+    for c in Codebook:
+        assert Codebook.of(c.label) is c and Codebook.of(int(c)) is c
+        assert linear_defines(4, c)["EXL3_CB"] == int(c)
+    with pytest.raises(Exl3FormatError, match="unknown codebook"):
+        Codebook.of("mul2")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "exl3_vllm")
+    for d, _, files in os.walk(src):
+        for f in files:
+            if f.endswith(".py"):
+                text = open(os.path.join(d, f)).read()
+                assert not re.search(r"\b(codebook|cb|c) [!=]= \d\b", text), f

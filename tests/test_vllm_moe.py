@@ -126,7 +126,7 @@ def _stacks(ck, prefix, names, n, decode):
     for sel in (slice(0, 2), slice(2, 3)):
         rows = [r[sel] for r in ws]
         trellis = [torch.cat([w.trellis for w in r], dim=1)[None] for r in rows]
-        codes = [cb.CODEBOOK_IDS[r[0].codebook] for r in rows]
+        codes = [int(cb.Codebook.of(r[0].codebook)) for r in rows]
         suh = torch.stack([torch.stack([w.suh for w in r]) if len(r) > 1 else r[0].suh for r in rows])
         svh = torch.stack([torch.cat([w.svh for w in r]) for r in rows])
         sizes = [r.svh.numel() for r in rows[0]] if len(rows[0]) > 1 else [rows[0][0].svh.numel()]

@@ -10,7 +10,7 @@ import sys
 from types import SimpleNamespace
 
 from .format.checkpoint import Checkpoint, Exl3Spec
-from .format.codebook import CODEBOOK_IDS
+from .format.codebook import Codebook
 from .plugin.names import DEFAULT_PACKED, shard_groups
 
 # Row-parallel under tensor parallelism: their k is split across ranks, every other linear's n.
@@ -37,7 +37,7 @@ def kernel_calls(ck: Checkpoint, tp: int = 1) -> dict[tuple, list[str]]:
             s = [specs[keys[i]] for i in g]
             k = s[0].k // tp if row else s[0].k
             sizes = tuple(x.n if row else x.n // tp for x in s)
-            calls.setdefault((k, sum(sizes), s[0].bits, CODEBOOK_IDS[s[0].codebook], sizes), []).extend(
+            calls.setdefault((k, sum(sizes), s[0].bits, int(Codebook.of(s[0].codebook)), sizes), []).extend(
                 keys[i] for i in g)
     return calls
 
@@ -65,15 +65,13 @@ def explain(ck: Checkpoint, ms: list[int], arch: int = 90, sms: int = 132, smem:
 
 
 def render(calls: list[dict], arch: int, sms: int, tp: int) -> str:
-    from .kernels.variants import CODEBOOKS
-
     lines = [f"static dispatch on sm_{arch} with {sms} SMs, tensor_parallel_size={tp} (per rank); a GPU's measured "
              "dispatch keeps the fastest of the 'timed' column"]
     experts = calls[0]["experts"] if calls else 0
     if experts:
         lines.append(f"(routed experts, {experts} modules, are dispatched by the MoE op and not shown)")
     for c in calls:
-        lines.append(f"\n{c['k']}x{c['n']} K={c['bits']:g} {CODEBOOKS[c['codebook']]} shards {c['shards']}: "
+        lines.append(f"\n{c['k']}x{c['n']} K={c['bits']:g} {Codebook(c['codebook']).label} shards {c['shards']}: "
                      f"{c['modules']} modules, e.g. {c['example']}")
         lines.append(f"  {'M':>5} {'path':<7} {'tier':<6} {'splits':>6} {'stream':>6}  passed over | timed on a GPU")
         for r in c["rows"]:

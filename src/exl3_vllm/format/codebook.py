@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from .errors import Exl3FormatError
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
-CODEBOOK_IDS = {name: i for i, name in enumerate(CODEBOOKS)}
+_IDS = {name: i for i, name in enumerate(CODEBOOKS)}
+
+
+class Codebook(enum.IntEnum):
+    """A codebook as the kernels number it (EXL3_CB); .label is its name in checkpoints and on the command line."""
+    THREE_INST = 0
+    MCG = 1
+    MUL1 = 2
+
+    @property
+    def label(self) -> str:
+        return CODEBOOKS[self]
+
+    @classmethod
+    def of(cls, codebook: "str | int") -> "Codebook":
+        return cls(_IDS[codebook_name(codebook)])
 
 # Multipliers, as the unsigned values and as the int32 the marker tensors store.
 MCG_MULT = 0xCBAC1FED
@@ -25,7 +42,7 @@ def codebook_name(codebook: str | int) -> str:
     """Normalise a codebook given by name or id."""
     if isinstance(codebook, int) and 0 <= codebook < len(CODEBOOKS):
         return CODEBOOKS[codebook]
-    if isinstance(codebook, str) and codebook in CODEBOOK_IDS:
+    if isinstance(codebook, str) and codebook in _IDS:
         return codebook
     raise Exl3FormatError(f"unknown codebook {codebook!r}", fix=f"use one of {CODEBOOKS}")
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import settings
+from ..format.codebook import Codebook
 from .nvrtc import KernelError
-from .variants import CODEBOOKS, INT8_MAX_M, TIERS, WG_ARCH, for_k
+from .variants import INT8_MAX_M, TIERS, WG_ARCH, for_k
 
 
 def backend() -> str:
@@ -135,7 +136,7 @@ def int8_tier(m: int):
 
 def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
     """The mul1 integer tier: few rows, the row's input transform fits in shared memory, no int32 overflow."""
-    return (codebook == 2 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit and k <= 65536
+    return (codebook == Codebook.MUL1 and m <= INT8_MAX_M and 4 * k + 1024 <= smem_limit and k <= 65536
             and int8_tier(m) is not None)
 
 
@@ -186,7 +187,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         if force not in TIERS:
             raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of {sorted(TIERS)} or 'dequant'")
         tier = TIERS[force]
-        if tier.int8 and not (codebook == 2 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
+        if tier.int8 and not (codebook == Codebook.MUL1 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
             raise KernelError(f"EXL3_VLLM_TIER={tier.name} needs the mul1 codebook, at most {tier.bm} rows and "
                               f"4*k + 1024 <= {smem_limit} (got codebook {codebook}, m={m}, k={k})")
         if tier.wg and arch != WG_ARCH:
@@ -245,7 +246,7 @@ def passed_over(m: int, k: int, bits: float, codebook: int, arch: int, smem: int
     if m > large_m():
         return [f"m > {large_m()} (EXL3_VLLM_LARGE_M): dequantize + cuBLAS"]
     if not int8_ok(m, k, codebook, smem):
-        reason = (f"codebook {CODEBOOKS[codebook]}, the int8 tiers are mul1 only" if codebook != 2 else
+        reason = (f"codebook {Codebook(codebook).label}, the int8 tiers are mul1 only" if codebook != Codebook.MUL1 else
                   f"m > {INT8_MAX_M}" if m > INT8_MAX_M else
                   "disabled (EXL3_VLLM_DISABLE)" if int8_tier(m) is None else f"k={k}: x does not fit shared memory")
         why.append(f"i4/i8: {reason}")

@@ -11,6 +11,7 @@ from typing import List, Sequence
 import torch
 
 from .. import settings
+from ..format.codebook import Codebook
 from . import nvrtc
 from .nvrtc import KernelError
 from .dispatch import bits_of, deterministic, int8_ok, tier_on
@@ -59,7 +60,7 @@ def moe_plan(tokens: int, topk: int, n_experts: int, k13: int, n13: int, k2: int
         tier = TIERS[force]
         if not tier_on(tier):
             raise KernelError(f"EXL3_VLLM_TIER={force} is a tier that EXL3_VLLM_DISABLE leaves out")
-    elif (avg <= TIERS["i8"].bm and all(c == 2 for c in codebooks)
+    elif (avg <= TIERS["i8"].bm and all(c == Codebook.MUL1 for c in codebooks)
           and int8_ok(1, max(k13, k2), 2, smem_limit) and tier_on(TIERS["i8"])):
         tier = TIERS["i8"]
     elif fp16:
@@ -67,7 +68,7 @@ def moe_plan(tokens: int, topk: int, n_experts: int, k13: int, n13: int, k2: int
     else:
         raise KernelError(f"EXL3_VLLM_DISABLE={settings.raw('EXL3_VLLM_DISABLE')} leaves no tier for the experts "
                           f"(they run on {sorted(t for t in TIERS if TIERS[t].experts and not TIERS[t].int8)})")
-    if tier.int8 and not all(c == 2 for c in codebooks):
+    if tier.int8 and not all(c == Codebook.MUL1 for c in codebooks):
         raise KernelError("EXL3_VLLM_TIER=i8 needs every expert on the mul1 codebook")
     tier = for_k(tier, math.gcd(k13, k2))  # one tier for both projections: whole stages of either k
     bm = tier.bm

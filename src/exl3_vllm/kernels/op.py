@@ -9,6 +9,7 @@ from typing import List, Optional
 import torch
 
 from .. import settings
+from ..format.codebook import Codebook
 from . import nvrtc, tune
 # The decisions live in dispatch.py; the names are re-exported here for callers of this op (tests, bench).
 from .dispatch import (Plan, backend, bits_of, dequant_bytes, deterministic, fused_input, fused_input_work,  # noqa: F401
@@ -101,7 +102,7 @@ def _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook):
     if codebook not in (0, 1, 2):
         raise KernelError(f"exl3 linear: codebook must be 0 (3inst), 1 (mcg) or 2 (mul1), got {codebook}")
     bits = bits_of(trellis)
-    if bits != int(bits) and codebook != 2:
+    if bits != int(bits) and codebook != Codebook.MUL1:
         raise KernelError(f"exl3 linear: K={bits} (half-integer) exists only with the mul1 codebook")
     for name, t in (("x", x), ("trellis", trellis), ("suh", suh), ("svh", svh), ("bias", bias)):
         if t is not None and t.device != trellis.device:

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import settings
+from ..format.codebook import Codebook
+
+
+def _label(codebook: int) -> str:
+    return Codebook(codebook).label if codebook in set(Codebook) else repr(codebook)
 
 IO_SOURCE = "exl3_io.cu"
 LINEAR_SOURCE = "exl3_linear.cu"
@@ -12,7 +17,6 @@ MOE_SOURCE = "exl3_moe.cu"
 
 INTEGER_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 HALF_BITS = (1.5, 2.5, 3.5)
-CODEBOOKS = {0: "3inst", 1: "mcg", 2: "mul1"}
 OUT_DTYPES = ("f16", "bf16")
 
 
@@ -120,13 +124,13 @@ def all_bits() -> tuple:
 
 def valid(bits: float, codebook: int) -> bool:
     if bits in HALF_BITS:
-        return codebook == 2
-    return bits in INTEGER_BITS and codebook in CODEBOOKS
+        return codebook == Codebook.MUL1
+    return bits in INTEGER_BITS and codebook in set(Codebook)
 
 
 def linear_defines(bits: float, codebook: int) -> dict:
     if not valid(bits, codebook):
-        raise ValueError(f"no EXL3 kernel for K={bits} with codebook {CODEBOOKS.get(codebook, codebook)}: "
+        raise ValueError(f"no EXL3 kernel for K={bits} with codebook {_label(codebook)}: "
                          "half-integer K exists only for mul1, K must be 1..8 or 1.5/2.5/3.5")
     d = {"EXL3_KA": int(bits), "EXL3_HALF": int(bits != int(bits)), "EXL3_CB": int(codebook)}
     # Development A/B of compile-time kernel variants in one process: "NAME=1,OTHER=2" (its own cache key).
@@ -141,7 +145,7 @@ def all_modules() -> list[tuple[str, dict]]:
     """Every (source, defines) pair the package can load."""
     mods = [(IO_SOURCE, {}), (MOE_SOURCE, {})]
     for bits in all_bits():
-        for cb in CODEBOOKS:
+        for cb in Codebook:
             if valid(bits, cb):
                 mods.append((LINEAR_SOURCE, linear_defines(bits, cb)))
     return mods

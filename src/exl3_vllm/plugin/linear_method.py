@@ -211,9 +211,10 @@ class Exl3LinearMethod(LinearMethodBase):
             sizes = [plan[i][2] for i in range(s0, s1)]
             # The CPU path keeps the exact fp16 decode instead of decoding on every forward.
             decoded = w_hat(trellis, code) if trellis.device.type == "cpu" else None
-            layer.exl3_groups.append((trellis, layer.suh.data[s0:s1], layer.svh.data[c0:c1], sizes,
-                                      cb.CODEBOOK_IDS[code], decoded))
-            prepare_layer(trellis, sizes, cb.CODEBOOK_IDS[code])
+            code_id = int(cb.Codebook.of(code))  # a plain int: it reaches the ops and their traced graphs
+            layer.exl3_groups.append((trellis, layer.suh.data[s0:s1], layer.svh.data[c0:c1], sizes, code_id,
+                                      decoded))
+            prepare_layer(trellis, sizes, code_id)
 
     def _check_finite(self, layer, plan) -> None:
         """A NaN or Inf scale would turn every output of its shard into NaN: refuse it at load, naming it."""

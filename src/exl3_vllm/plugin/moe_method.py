@@ -323,7 +323,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         n_pp, hk = plan["n_pp"], self.specs["w13"][0][0].k
         for stem, sizes in (("w13", [n_pp, n_pp]), ("w2", [hk])):
             trellis = [getattr(layer, _trellis_name(stem, g)).data for g in range(len(plan["groups"][stem]))]
-            codes = [cb.CODEBOOK_IDS[code] for _, code in plan["groups"][stem]]
+            codes = [int(cb.Codebook.of(code)) for _, code in plan["groups"][stem]]
             decoded = where_dev = None
             if trellis[0].device.type == "cpu":
                 # The CPU path keeps each expert's exact fp16 decode; one expert at a time bounds the scratch.
