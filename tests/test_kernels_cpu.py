@@ -371,10 +371,13 @@ def test_disable_list_is_checked_and_replaces_the_old_switches(monkeypatch):
     with pytest.raises(settings.SettingError, match="warp, which is no tier"):
         kop.plan(1, 4096, 4096, 4, 132, codebook=2)
     monkeypatch.delenv("EXL3_VLLM_DISABLE")
+    from exl3_vllm.kernels import dispatch
+    monkeypatch.setattr(dispatch, "_OFF", {})  # parsed once per process: a new process reads the environment anew
     monkeypatch.setenv("EXL3_VLLM_INT8", "0")
     with pytest.raises(settings.SettingError, match="EXL3_VLLM_DISABLE=i4,i8"):
         kop.plan(1, 4096, 4096, 4, 132, codebook=2)
     monkeypatch.setenv("EXL3_VLLM_INT8", "1")  # the old default is harmless
+    monkeypatch.setattr(dispatch, "_OFF", {})
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=2).tier == "i4"
     monkeypatch.setenv("EXL3_VLLM_DISABLE", "i*,h*,m*,w*,x*")
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).path == "dequant"

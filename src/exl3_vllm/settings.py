@@ -93,12 +93,19 @@ def raw(name: str) -> str:
     return os.environ.get(name, SETTINGS[name].default)
 
 
+def retired() -> tuple[str, ...]:
+    """The replaced switches that are set to something other than their old default ("1")."""
+    return tuple(n for n in RETIRED if os.environ.get(n, "1") != "1")
+
+
+def check_retired() -> None:
+    for old in retired():
+        raise SettingError(f"{old} is no longer read: set EXL3_VLLM_DISABLE={RETIRED[old]} instead (with any other "
+                           "items, comma-separated)")
+
+
 def get(name: str) -> Any:
     """The variable's value, parsed; a value it cannot take raises SettingError naming it."""
-    for old, items in RETIRED.items():
-        if os.environ.get(old, "1") != "1":
-            raise SettingError(f"{old} is no longer read: set EXL3_VLLM_DISABLE={items} instead (with any other "
-                               "items, comma-separated)")
     s = SETTINGS[name]
     v = raw(name)
     try:

@@ -32,36 +32,48 @@ def _base(name: str) -> str:
     return name[:-1] if name.endswith("n") else name
 
 
-def disabled() -> frozenset[str]:
-    """EXL3_VLLM_DISABLE's items; one that names no tier and no feature is refused, not ignored."""
-    items = settings.get("EXL3_VLLM_DISABLE")
-    names = {_base(t) for t in TIERS} | set(TIERS)
-    bad = sorted(i for i in items if i not in FEATURES and not fnmatch.filter(names, i))
-    if bad:
-        raise settings.SettingError(f"EXL3_VLLM_DISABLE names {', '.join(bad)}, which is no tier and no feature: "
-                                    f"tiers {', '.join(sorted({_base(t) for t in TIERS}))}; features "
-                                    f"{', '.join(FEATURES)}")
-    return items
+_OFF: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+
+
+def _off() -> tuple[frozenset[str], frozenset[str]]:
+    """(tier names, features) that EXL3_VLLM_DISABLE leaves out, parsed once per value and process (plan() asks
+    often); an item that names no tier and no feature, or a replaced switch set to 0, is refused, not ignored."""
+    key = settings.raw("EXL3_VLLM_DISABLE")
+    hit = _OFF.get(key)
+    if hit is None:
+        settings.check_retired()
+        items = settings.get("EXL3_VLLM_DISABLE")
+        names = {_base(t) for t in TIERS} | set(TIERS)
+        bad = sorted(i for i in items if i not in FEATURES and not fnmatch.filter(names, i))
+        if bad:
+            raise settings.SettingError(f"EXL3_VLLM_DISABLE names {', '.join(bad)}, which is no tier and no feature: "
+                                        f"tiers {', '.join(sorted({_base(t) for t in TIERS}))}; features "
+                                        f"{', '.join(FEATURES)}")
+        tiers = frozenset(t for t in TIERS if any(fnmatch.fnmatch(_base(t), i) or fnmatch.fnmatch(t, i)
+                                                  for i in items if i not in FEATURES))
+        hit = _OFF[key] = (tiers, frozenset(items & set(FEATURES)))
+    return hit
 
 
 def tier_on(tier) -> bool:
     """Whether EXL3_VLLM_DISABLE leaves tier (a Tier) in the dispatch."""
-    return not any(fnmatch.fnmatch(_base(tier.name), i) or fnmatch.fnmatch(tier.name, i)
-                   for i in disabled() if i not in FEATURES)
+    return tier.name not in _off()[0]
 
 
 def feature_on(name: str) -> bool:
-    return name not in disabled()
+    return name not in _off()[1]
 
 
 def wg_enabled(arch: int) -> bool:
     """The Hopper wgmma tiers: built for sm_90a only; with every w tier disabled the mma.sync tiers run instead."""
-    return arch == WG_ARCH and any(t.wg and not t.ws and tier_on(t) for t in TIERS.values())
+    off = _off()[0]
+    return arch == WG_ARCH and any(t.wg and not t.ws and t.name not in off for t in TIERS.values())
 
 
 def ws_enabled(arch: int) -> bool:
     """The warp-specialized Hopper tiers (decode into shared memory), unless every x tier is disabled."""
-    return arch == WG_ARCH and any(t.ws and tier_on(t) for t in TIERS.values())
+    off = _off()[0]
+    return arch == WG_ARCH and any(t.ws and t.name not in off for t in TIERS.values())
 
 
 def pdl_enabled(arch: int) -> bool:
@@ -131,7 +143,8 @@ INT8_SEGMENT_STEPS = 1024
 
 def int8_tier(m: int):
     """The mul1 integer tier for m rows (i4 up to 4 rows, else i8), None if m is over both or they are disabled."""
-    return next((t for t in (TIERS["i4"], TIERS["i8"]) if m <= t.bm and tier_on(t)), None)
+    off = _off()[0]
+    return next((t for t in (TIERS["i4"], TIERS["i8"]) if m <= t.bm and t.name not in off), None)
 
 
 def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
@@ -142,22 +155,26 @@ def int8_ok(m: int, k: int, codebook: int, smem_limit: int) -> bool:
 
 def wg_tier(m: int, bits: float, smem_limit: int, col_align: int):
     """The Hopper tier for m rows: fewest rows that hold m, then the widest block (x is re-read per column block)."""
+    off = _off()[0]
     wgs = [t for t in TIERS.values() if t.wg and not t.ws and t.smem(bits) <= smem_limit and col_align % t.cols == 0
-           and tier_on(t)]
+           and t.name not in off]
     fit = [t for t in wgs if m <= t.bm]
     return min(fit, key=lambda t: (t.bm, -t.cols)) if fit else max(wgs, key=lambda t: (t.bm, t.cols), default=None)
 
 
 def ws_tier(m: int, bits: float, smem_limit: int):
     """The warp-specialized Hopper tier for m rows: fewest rows that hold m (more rows run as row blocks)."""
-    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit and tier_on(t)), key=lambda t: t.bm)
+    off = _off()[0]
+    fits = sorted((t for t in TIERS.values() if t.ws and t.smem(bits) <= smem_limit and t.name not in off),
+                  key=lambda t: t.bm)
     return next((t for t in fits if m <= t.bm), fits[-1]) if fits else None
 
 
 def mma_tier(m: int, bits: float, smem_limit: int):
     """The mma.sync tier for m rows (any sm_80+), None if every one is disabled."""
+    off = _off()[0]
     fits = [t for t in TIERS.values() if not t.int8 and not t.wg and not t.xb and t.smem(bits) <= smem_limit
-            and tier_on(t)]
+            and t.name not in off]
     return next((t for t in fits if m <= t.bm), fits[-1] if fits else None)
 
 

@@ -30,3 +30,9 @@ def register() -> None:
 
     if (note := compat.version_note()) is not None:
         log.warning(note)
+    from .. import settings
+
+    try:  # the kernels refuse them at their first dispatch; say it here too, before vLLM's own start-up lines
+        settings.check_retired()
+    except settings.SettingError as e:
+        log.error("%s", e)
