@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: compile sweep (fills the NVRTC cache the tests use), a bounded check of SMOKE_TIERS (if set), GPU
-# tests (dense + MoE), the large-M path's parts (unless NO_PARTS=1), then the linear benchmark (with exllamav3's columns when .peer/lib is carried); logs and tables land in $OUT.
+# tests (dense, MoE, quantized embedding), the large-M path's parts (unless NO_PARTS=1), then the linear benchmark (with exllamav3's columns when .peer/lib is carried); logs and tables land in $OUT.
 # MODE: all | tests | bench.  BENCH_ARGS narrows the grid (e.g. --layers 8192x28672 --ms 1,16 --configs 4:mul1);
 # BUDGET_S (default 560) bounds the whole call: the benchmark stops at its deadline and writes what it has.
 set -o pipefail
@@ -22,7 +22,7 @@ if [ -n "${SMOKE_TIERS:-}" ]; then
   if [ $rc -ne 0 ]; then export EXL3_VLLM_DISABLE=x*; TEST_K="not $(echo "$SMOKE_TIERS" | sed 's/,/ and not /g')"; fi
 fi
 if [ "$MODE" != "bench" ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_moe_gpu.py ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu_tests.txt" 2>&1
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_moe_gpu.py tests/test_embedding.py ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu_tests.txt" 2>&1
   echo "tests rc=$? $(tail -1 $OUT/gpu_tests.txt) t+$(( $(date +%s) - T0 ))s"
   grep -E "^FAILED|Error" "$OUT/gpu_tests.txt" | head -20
 fi
