@@ -9,6 +9,7 @@ Per checkpoint and dtype:
 - greedy: exllamav3 runs each prompt + vLLM's greedy tokens; every generated token must be exllamav3's argmax
   unless exllamav3's top-2 logprob margin there is under TIE (a near tie), after which the sequence is not compared.
 Gate (issue 41): fp16 mean KL <= 1e-4 and top-1 >= 99.5%; bf16 mean KL <= 1e-3 and top-1 >= 99%; no greedy mismatch.
+MoE rows also say where the routers sit on near ties (moe_routing.py), so that a gate row that fails can be read.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 
 GATES = {"float16": (1e-4, 0.995), "bfloat16": (1e-3, 0.99)}
 TIE = 0.05
+NEAR_TIE = 1e-3  # a router's gap between its k-th and (k+1)-th probability under which fp16 and fp32 may route apart
 
 
 def kl_rows(ref_logits: torch.Tensor, got_lp: torch.Tensor, worst: list | None = None) -> tuple[float, float]:
@@ -31,6 +33,20 @@ def kl_rows(ref_logits: torch.Tensor, got_lp: torch.Tensor, worst: list | None =
         top = torch.topk(kl, min(5, kl.numel()))
         worst += [(int(p), round(v, 5)) for p, v in zip(top.indices.tolist(), top.values.tolist())]
     return kl.mean().item(), (lp.argmax(-1) == q.argmax(-1)).float().mean().item()
+
+
+def routing_note(ckpt: str, ids: torch.Tensor, worst: list) -> dict:
+    """MoE only: router near ties on the sequence (our dense reconstruction in transformers, fp32), and each worst
+    position's smallest gap there and the last near tie at or before it (moe_routing.py; a tie can route differently
+    in exllamav3's fp16 and the later positions inherit it through attention)."""
+    from moe_routing import dense_model, router_gaps
+
+    model, cfg = dense_model(ckpt)
+    _, gaps = router_gaps(model.cuda() if torch.cuda.is_available() else model, cfg, ids)
+    ties = (gaps.min(1).values < NEAR_TIE).nonzero().flatten().tolist()
+    return {"router_near_ties": len(ties), "worst_router_gaps": [
+        {"pos": p, "kl": v, "min_gap": round(gaps[p].min().item(), 5),
+         "last_tie_at_or_before": max((t for t in ties if t <= p), default=None)} for p, v in worst]}
 
 
 def greedy_check(model, greedy: list[dict], vocab: int) -> dict:
@@ -91,6 +107,9 @@ def main() -> None:
                 model = Model.from_config(Config.from_directory(os.path.join(a.corpus, name)))
                 model.load(device="cuda:0")
             g = greedy_check(model, got["greedy"], vocab)
+            cfg = json.load(open(os.path.join(a.corpus, name, "config.json")))
+            if cfg.get("num_experts") or cfg.get("num_local_experts"):
+                g.update(routing_note(os.path.join(a.corpus, name), torch.load(os.path.join(a.ref, "tokens.pt")), worst))
             max_kl, min_top1 = GATES.get(run["dtype"], (1e-3, 0.99))
             row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1, worst_positions=worst,
                        kl_unquantized_vs_vllm=kl_hf, top1_unquantized_vs_vllm=top1_hf, init_s=round(got["init_s"], 1),

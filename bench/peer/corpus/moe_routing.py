@@ -58,6 +58,23 @@ def dense_model(path: str):
     return model, cfg
 
 
+def router_gaps(model, cfg: dict, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, vocab], gaps [T, layers]): each layer's gap between its k-th and (k+1)-th router probability."""
+    router: dict[int, torch.Tensor] = {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda mod, inp, out, i=i: router.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach()))
+        for i, layer in enumerate(model.model.layers)]
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(ids.view(1, -1).to(dev)).logits[0].float().cpu()
+    for h in hooks:
+        h.remove()
+    k = cfg["num_experts_per_tok"]
+    probs = [torch.softmax(router[i].view(len(ids), -1).float(), -1).sort(-1, descending=True).values.cpu()
+             for i in sorted(router)]
+    return logits, torch.stack([p[:, k - 1] - p[:, k] for p in probs], 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("ckpt")
@@ -67,25 +84,15 @@ def main() -> None:
     model, cfg = dense_model(a.ckpt)
     with safe_open(a.reference, "pt") as f:
         ids, ref = f.get_tensor("input_ids").long(), f.get_tensor("logits").float()
-    router: dict[int, torch.Tensor] = {}
-    for i, layer in enumerate(model.model.layers):
-        layer.mlp.gate.register_forward_hook(
-            lambda mod, inp, out, i=i: router.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach()))
-    with torch.no_grad():
-        got = model(ids.view(1, -1)).logits[0].float()
+    got, gaps = router_gaps(model, cfg, ids)
     lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
-    k = cfg["num_experts_per_tok"]
     out = {"mean_kl": kl.mean().item(), "max_kl": kl.max().item(),
            "top1": (lp.argmax(-1) == lq.argmax(-1)).float().mean().item(), "positions": []}
     for p in (kl > a.over).nonzero().flatten().tolist():
-        gaps = []
-        for i in sorted(router):
-            probs = torch.softmax(router[i].view(len(ids), -1)[p].float(), -1).sort(descending=True).values
-            gaps.append(round((probs[k - 1] - probs[k]).item(), 5))
-        out["positions"].append({"pos": p, "kl": round(kl[p].item(), 4), "router_gap_per_layer": gaps})
+        out["positions"].append({"pos": p, "kl": round(kl[p].item(), 4),
+                                 "router_gap_per_layer": [round(g, 5) for g in gaps[p].tolist()]})
     print(json.dumps(out, indent=1))
-
 
 if __name__ == "__main__":
     main()
