@@ -110,3 +110,32 @@ def test_explain_names_each_kernel_call_its_path_per_m_and_why(tmp_path, capsys,
             assert not r["tier"].startswith(("i4", "i8", "w", "x")), r
             assert r["m"] != 1 or "i4/i8: disabled (EXL3_VLLM_DISABLE)" in r["passed_over"], r
             assert r["m"] == 1 or any("sm_89 is not sm_90" in w for w in r["passed_over"]), r
+
+
+def test_modules_left_out_of_tensor_storage_are_read_from_the_headers(tmp_path, capsys):
+    """exllamav3 writes MTP (and vision) modules without listing them in tensor_storage: they are read from the
+    safetensors headers as what their tensors say, listed by inspect, with no warning; any other EXL3 module missing
+    from tensor_storage is warned about."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "m"
+    synthesize("tiny-llama", str(out), bits=4, seed=3)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    src = "model.layers.0.mlp.down_proj"
+    shard = index["weight_map"][f"{src}.trellis"]
+    tensors = {k: v for k, v in load_file(str(out / shard)).items() if k.startswith(src + ".")}
+    extra = {}
+    for key in ("mtp.layers.0.mlp.down_proj", "model.layers.0.mlp.extra_proj"):
+        extra.update({key + k[len(src):]: v.clone() for k, v in tensors.items()})
+    save_file(extra, str(out / "model-extra.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update({k: "model-extra.safetensors" for k in extra})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    ck = Checkpoint(str(out))
+    mtp, base = ck.modules["mtp.layers.0.mlp.down_proj"], ck.modules[src]
+    assert (mtp.bits, mtp.k, mtp.n, mtp.codebook) == (base.bits, base.k, base.n, base.codebook)
+    assert torch.equal(ck.weights("mtp.layers.0.mlp.down_proj").trellis, ck.weights(src).trellis)
+    assert [w for w in ck.warnings if "tensor_storage" in w] == [
+        "model.layers.0.mlp.extra_proj: EXL3 module in the tensors but not in tensor_storage"]
+    assert cli.main(["inspect", str(out), "--json"]) == 0
+    mods = {m["key"]: m for m in json.loads(capsys.readouterr().out)["modules"]}
+    assert mods["mtp.layers.0.mlp.down_proj"]["format"] == "exl3" and mods["mtp.layers.0.mlp.down_proj"]["bits"] == 4
