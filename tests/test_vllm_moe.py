@@ -270,16 +270,16 @@ def test_loaders_group_mixed_k_and_drop_padding_columns(mixtral):
         got = 0
         for r in range(tp):
             m, _ = _load_layer(q, prefix, lay := _FakeExperts(8, r, tp, names=MIXTRAL_NAMES), inter=192)
-            assert [tuple(t.shape[::3]) for t in lay.exl3_w13.trellis] == [(4, 64), (2, 48), (2, 32)]
-            assert [tuple(t.shape[::3]) for t in lay.exl3_w2.trellis] == [(4, 64), (2, 48), (2, 96)]
-            assert lay.exl3_w13.codebooks == [2, 0, 1] and lay.exl3_w2.codebooks == [2, 0, 2]
+            assert [tuple(t.shape[::3]) for t in lay.exl3.w13.trellis] == [(4, 64), (2, 48), (2, 32)]
+            assert [tuple(t.shape[::3]) for t in lay.exl3.w2.trellis] == [(4, 64), (2, 48), (2, 96)]
+            assert lay.exl3.w13.codebooks == [2, 0, 1] and lay.exl3.w2.codebooks == [2, 0, 2]
             # Real checkpoints' padding columns decode to noise: they must not reach the output.
             n_pp = 256 // tp
             for h in range(2):
-                lay.w13_svh[:, h * n_pp:(h + 1) * n_pp][:, lay.exl3_moe_inter_valid:] = 1
-            lay.w2_suh[:, lay.exl3_moe_inter_valid:] = 1
+                lay.w13_svh[:, h * n_pp:(h + 1) * n_pp][:, lay.exl3.plan["inter_valid"]:] = 1
+            lay.w2_suh[:, lay.exl3.plan["inter_valid"]:] = 1
             got = got + m.apply(lay, x, w, ids)
-        assert lay.exl3_moe_inter_valid == (192 if tp == 1 else 64)
+        assert lay.exl3.plan["inter_valid"] == (192 if tp == 1 else 64)
         assert _close(got, want, 1e-4)
 
 

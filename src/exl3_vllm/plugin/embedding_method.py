@@ -20,6 +20,7 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         self.config = config
         self.prefix = prefix
         self.spec = spec
+        self.hidden = spec.hidden  # the model's hidden size, set by create_weights (one method per layer)
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
@@ -46,11 +47,11 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         set_weight_attrs(signs, extra_weight_attrs)
         layer.register_parameter("trellis", trellis)
         layer.register_parameter("signs", signs)
-        layer.exl3_hidden = hidden
+        self.hidden = hidden
 
     def process_weights_after_loading(self, layer) -> None:
         # The 65536 mul1 values (128 KiB): a lookup per weight instead of the integer decode.
-        layer.exl3_values = cb.all_values("mul1").to(layer.trellis.device)
+        layer.register_buffer("mul1_values", cb.all_values("mul1").to(layer.trellis.device), persistent=False)
         bad = (~torch.isfinite(emb.row_scales(layer.trellis.data, self.spec.hidden // emb.GROUP))).any(1).nonzero()
         if bad.numel():
             raise Exl3FormatError(f"{self.prefix}: {bad.numel()} rows of the quantized embedding (e.g. row "
@@ -64,7 +65,7 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
                                   fix="re-convert or re-download the checkpoint")
 
     def embedding(self, layer, input_: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.exl3.embedding(input_, layer.trellis, layer.signs, layer.exl3_values, layer.exl3_hidden)
+        out = torch.ops.exl3.embedding(input_, layer.trellis, layer.signs, layer.mul1_values, self.hidden)
         return out.to(layer.params_dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

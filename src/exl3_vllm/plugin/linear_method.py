@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers.linear import LinearMethodBase
@@ -32,6 +34,17 @@ def _kind(layer: torch.nn.Module) -> str:
 def tp_hint(width: int, tp: int) -> str:
     ok = [d for d in (1, 2, 4, 8, 16) if width % d == 0 and (width // d) % HAD == 0]
     return f"tensor_parallel_size in {ok}" if ok else "tensor_parallel_size 1"
+
+
+@dataclass
+class LinearState:
+    """One layer's EXL3 state (layer.exl3): what create_weights decides, which the weight loader reads, and, after
+    loading, what apply runs."""
+    shards: list  # per shard: (checkpoint column offset, parameter column offset, width, logical width)
+    layout: list  # per group: (first shard, end shard, first column, end column, flat trellis offset, trellis shape)
+    k_start: int  # the first input row of this rank's slice of the checkpoint
+    keep: torch.Tensor | None = None  # the output columns left after padding is trimmed (None: every column)
+    groups: list = field(default_factory=list)  # per group: (trellis, suh rows, svh, widths, codebook id, CPU decode)
 
 
 class Exl3LinearMethod(LinearMethodBase):
@@ -123,12 +136,7 @@ class Exl3LinearMethod(LinearMethodBase):
             params["svh"] = torch.empty(n_total, dtype=torch.float16)
         for code in sorted({s.codebook for s in self.specs} - {"3inst"}):
             params[code] = torch.empty((), dtype=torch.int32)
-        layer.exl3_plan = plan
-        layer.exl3_layout = layout
-        layer.exl3_kind = kind
-        layer.exl3_k_start = k_start
-        layer.exl3_logical_k = logical_k if kind != "row" else input_size_per_partition
-        layer.exl3_out = sum(p[3] for p in plan)
+        layer.exl3 = LinearState(plan, layout, k_start)
         for name, data in params.items():
             p = torch.nn.Parameter(data, requires_grad=False)
             set_weight_attrs(p, {"weight_loader": self._loader(layer, name)})
@@ -136,7 +144,7 @@ class Exl3LinearMethod(LinearMethodBase):
 
     @staticmethod
     def _group_trellis(layer, g: int) -> torch.Tensor:
-        _, _, _, _, offset, shape = layer.exl3_layout[g]
+        _, _, _, _, offset, shape = layer.exl3.layout[g]
         t = layer.trellis.data
         if t.dim() == 3:
             return t
@@ -163,8 +171,8 @@ class Exl3LinearMethod(LinearMethodBase):
         def load(param, loaded_weight: torch.Tensor, shard_id=None, *args, **kwargs):
             s = self._shard_index(shard_id)
             spec = self.specs[s]
-            src_start, dst_col, width, _ = layer.exl3_plan[s]
-            k0 = layer.exl3_k_start
+            src_start, dst_col, width, _ = layer.exl3.shards[s]
+            k0 = layer.exl3.k_start
             w = loaded_weight
             if name in ("mcg", "mul1"):
                 value = int(w.reshape(-1)[0])
@@ -175,9 +183,9 @@ class Exl3LinearMethod(LinearMethodBase):
                 return
             k_rows = param.shape[1] if name in ("suh", "su") else param.shape[0]
             if name == "trellis":
-                g = next(i for i, lay in enumerate(layer.exl3_layout) if lay[0] <= s < lay[1])
+                g = next(i for i, lay in enumerate(layer.exl3.layout) if lay[0] <= s < lay[1])
                 dst = self._group_trellis(layer, g)
-                c = dst_col - layer.exl3_layout[g][2]
+                c = dst_col - layer.exl3.layout[g][2]
                 w = w.narrow(0, k0 // 16, dst.shape[0]).narrow(1, src_start // 16, width // 16)
                 dst[:, c // 16:(c + width) // 16].copy_(w)
             elif name in ("suh", "su"):
@@ -196,24 +204,20 @@ class Exl3LinearMethod(LinearMethodBase):
             del layer.su, layer.sv
             layer.register_parameter("suh", torch.nn.Parameter(suh, requires_grad=False))
             layer.register_parameter("svh", torch.nn.Parameter(svh, requires_grad=False))
-        plan = layer.exl3_plan
+        state = layer.exl3
+        plan = state.shards
         self._check_finite(layer, plan)
-        trims = [(p[1], p[3]) for p in plan if p[3] != p[2]]
-        layer.exl3_keep = None
-        if trims:
-            keep = torch.cat([torch.arange(p[1], p[1] + p[3]) for p in plan])
-            layer.exl3_keep = keep.to(layer.trellis.device)
-        # Per group: (trellis, suh rows, svh, shard widths, codebook id, CPU decode or None).
-        layer.exl3_groups = []
-        for g, (s0, s1, c0, c1, _, _) in enumerate(layer.exl3_layout):
+        if any(p[3] != p[2] for p in plan):
+            state.keep = torch.cat([torch.arange(p[1], p[1] + p[3]) for p in plan]).to(layer.trellis.device)
+        state.groups = []
+        for g, (s0, s1, c0, c1, _, _) in enumerate(state.layout):
             trellis = self._group_trellis(layer, g)
             code = self.specs[s0].codebook
             sizes = [plan[i][2] for i in range(s0, s1)]
             # The CPU path keeps the exact fp16 decode instead of decoding on every forward.
             decoded = w_hat(trellis, code) if trellis.device.type == "cpu" else None
             code_id = int(cb.Codebook.of(code))  # a plain int: it reaches the ops and their traced graphs
-            layer.exl3_groups.append((trellis, layer.suh.data[s0:s1], layer.svh.data[c0:c1], sizes, code_id,
-                                      decoded))
+            state.groups.append((trellis, layer.suh.data[s0:s1], layer.svh.data[c0:c1], sizes, code_id, decoded))
             prepare_layer(trellis, sizes, code_id)
 
     def _check_finite(self, layer, plan) -> None:
@@ -231,17 +235,18 @@ class Exl3LinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        k = layer.exl3_groups[0][0].shape[0] * 16
+        state = layer.exl3
+        k = state.groups[0][0].shape[0] * 16
         if x2.shape[-1] != k:
             x2 = F.pad(x2, (0, k - x2.shape[-1]))
-        fused_bias = bias if layer.exl3_keep is None and len(layer.exl3_groups) == 1 else None
+        fused_bias = bias if state.keep is None and len(state.groups) == 1 else None
         ys = [exl3_linear(x2, trellis, suh, svh, fused_bias, sizes, code, decoded)
-              for trellis, suh, svh, sizes, code, decoded in layer.exl3_groups]
+              for trellis, suh, svh, sizes, code, decoded in state.groups]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-        if bias is not None and fused_bias is None and layer.exl3_keep is None:
+        if bias is not None and fused_bias is None and state.keep is None:
             y = y + bias
-        if layer.exl3_keep is not None:
-            y = y.index_select(1, layer.exl3_keep)
+        if state.keep is not None:
+            y = y.index_select(1, state.keep)
             if bias is not None:
                 y = y + bias
         return y.reshape(*lead, y.shape[-1])

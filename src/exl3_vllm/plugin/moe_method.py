@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -26,6 +27,17 @@ _MARKERS = ("mcg", "mul1")
 _KIND = {"trellis": "trellis", "suh": "suh", "su": "suh", "svh": "svh", "sv": "svh", "mcg": "marker",
          "mul1": "marker"}
 logger = logging.getLogger("exl3_vllm")
+
+
+@dataclass
+class MoEState:
+    """One experts layer's EXL3 state (layer.exl3): this rank's share of the experts, the tensors the loader must
+    see, and after loading the two expert stacks apply runs."""
+    plan: dict  # n_pp, start, local, where, groups, inter_valid (create_weights)
+    expected: set  # (stem, shard, kind, slot) of every tensor this rank loads
+    loaded: set = field(default_factory=set)
+    w13: ExpertStack | None = None
+    w2: ExpertStack | None = None
 
 
 def _ranges(ids) -> str:
@@ -201,13 +213,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                       w13_svh=torch.empty(e, 2 * n_pp, dtype=torch.float16),
                       w2_suh=torch.empty(e, n_pp, dtype=torch.float16),
                       w2_svh=torch.empty(e, hk, dtype=torch.float16))
-        layer.exl3_moe_plan = {"n_pp": n_pp, "start": start, "local": local, "where": where, "groups": groups,
-                               "inter_valid": max(0, min(n_pp, inter - start))}
-        layer.exl3_moe_loaded = set()
-        layer.exl3_moe_expected = {(stem, shard, kind, slot) for stem, shards in _SHARDS.items()
-                                   for slot, ex in enumerate(local) for shard in shards
-                                   for kind in ("trellis", "suh", "svh")
-                                   + (("marker",) if self.sigs[stem][ex][1] in _MARKERS else ())}
+        layer.exl3 = MoEState(
+            plan={"n_pp": n_pp, "start": start, "local": local, "where": where, "groups": groups,
+                  "inter_valid": max(0, min(n_pp, inter - start))},
+            expected={(stem, shard, kind, slot) for stem, shards in _SHARDS.items()
+                      for slot, ex in enumerate(local) for shard in shards
+                      for kind in ("trellis", "suh", "svh")
+                      + (("marker",) if self.sigs[stem][ex][1] in _MARKERS else ())})
         for name, data in params.items():
             p = torch.nn.Parameter(data, requires_grad=False)
             if not name.startswith(("w13_trellis_g", "w2_trellis_g")):
@@ -265,7 +277,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                                       "split or stacked the tensor as if it held several experts", file=self.path,
                                       tensor=tensor,
                                       fix="use a vLLM release this plugin supports (0.25 or 0.32)")
-            plan = layer.exl3_moe_plan
+            plan = layer.exl3.plan
             n_pp, start, half = plan["n_pp"], plan["start"], shards.index(shard_id)
             w = loaded_weight
             if role in _MARKERS:
@@ -292,20 +304,21 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                     dst[half * n_pp:(half + 1) * n_pp].copy_(v.narrow(0, start, n_pp))
                 else:
                     dst.copy_(v.narrow(0, start, n_pp) if side == "suh" else v)
-            layer.exl3_moe_loaded.add((stem, shard_id, _KIND[role], slot))
+            layer.exl3.loaded.add((stem, shard_id, _KIND[role], slot))
             return True if return_success else None
         return load
 
     def process_weights_after_loading(self, layer) -> None:
-        plan = layer.exl3_moe_plan
-        missing = sorted(layer.exl3_moe_expected - layer.exl3_moe_loaded)
+        state = layer.exl3
+        plan = state.plan
+        missing = sorted(state.expected - state.loaded)
         if missing:
             names = [f"{self.specs[stem][plan['local'][slot]][_SHARDS[stem].index(shard)].key}.{kind}"
                      for stem, shard, kind, slot in missing[:4]]
             raise Exl3FormatError(f"{self.prefix}: {len(missing)} expert tensors were never loaded (e.g. "
                                   f"{', '.join(names)})", file=self.path, tensor=names[0],
                                   fix="the checkpoint is incomplete; re-download it")
-        del layer.exl3_moe_loaded, layer.exl3_moe_expected
+        state.expected, state.loaded = set(), set()
         # A NaN or Inf scale would turn its expert's outputs into NaN: refuse it at load, naming it.
         for stem in _SHARDS:
             for side in ("suh", "svh"):
@@ -334,11 +347,9 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                     decoded[slot] = w_hat(trellis[g][i], codes[g])
             else:
                 where_dev = torch.tensor(plan["where"][stem], dtype=torch.int32, device=trellis[0].device)
-            setattr(layer, f"exl3_{stem}", ExpertStack(trellis, codes, plan["where"][stem],
-                                                       getattr(layer, f"{stem}_suh").data,
-                                                       getattr(layer, f"{stem}_svh").data, sizes, decoded, where_dev))
-        layer.exl3_moe_inter_valid = plan["inter_valid"]
-        w13, w2 = layer.exl3_w13, layer.exl3_w2
+            setattr(state, stem, ExpertStack(trellis, codes, plan["where"][stem], getattr(layer, f"{stem}_suh").data,
+                                             getattr(layer, f"{stem}_svh").data, sizes, decoded, where_dev))
+        w13, w2 = state.w13, state.w2
         if w13.where_dev is not None:
             prepare_experts(w13.trellis, w13.codebooks, w2.trellis, w2.codebooks, len(plan["local"]),
                             compat.moe_top_k(layer))
@@ -354,5 +365,6 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         expert_map = compat.moe_expert_map(layer)
         if expert_map is not None:
             ids = expert_map[ids]
-        return exl3_moe(x, topk_weights, ids, layer.exl3_w13, layer.exl3_w2, layer.exl3_moe_inter_valid,
+        state = layer.exl3
+        return exl3_moe(x, topk_weights, ids, state.w13, state.w2, state.plan["inter_valid"],
                         weights_on_input=bool(getattr(layer, "apply_router_weight_on_input", False)))
