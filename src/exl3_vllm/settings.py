@@ -93,13 +93,10 @@ def raw(name: str) -> str:
     return os.environ.get(name, SETTINGS[name].default)
 
 
-def retired() -> tuple[str, ...]:
-    """The replaced switches that are set to something other than their old default ("1")."""
-    return tuple(n for n in RETIRED if os.environ.get(n, "1") != "1")
-
-
 def check_retired() -> None:
-    for old in retired():
+    """A replaced switch set to anything but its old default ("1") is refused with the spelling to use."""
+    old = next((n for n in RETIRED if os.environ.get(n, "1") != "1"), None)
+    if old is not None:
         raise SettingError(f"{old} is no longer read: set EXL3_VLLM_DISABLE={RETIRED[old]} instead (with any other "
                            "items, comma-separated)")
 

@@ -35,14 +35,17 @@ def kl_rows(ref_logits: torch.Tensor, got_lp: torch.Tensor, worst: list | None =
     return kl.mean().item(), (lp.argmax(-1) == q.argmax(-1)).float().mean().item()
 
 
-def routing_note(ckpt: str, ids: torch.Tensor, worst: list) -> dict:
-    """MoE only: router near ties on the sequence (our dense reconstruction in transformers, fp32), and each worst
-    position's smallest gap there and the last near tie at or before it (moe_routing.py; a tie can route differently
-    in exllamav3's fp16 and the later positions inherit it through attention)."""
+def gaps_of(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
+    """[T, layers] router gaps on the sequence (moe_routing.py: our dense reconstruction in transformers, fp32)."""
     from moe_routing import dense_model, router_gaps
 
     model, cfg = dense_model(ckpt)
-    _, gaps = router_gaps(model.cuda() if torch.cuda.is_available() else model, cfg, ids)
+    return router_gaps(model.cuda() if torch.cuda.is_available() else model, cfg, ids)[1]
+
+
+def routing_note(gaps: torch.Tensor, worst: list) -> dict:
+    """MoE only: the router near ties on the sequence, and each worst position's smallest gap and the last near tie
+    at or before it (a tie can route differently in exllamav3's fp16; later positions inherit it through attention)."""
     ties = (gaps.min(1).values < NEAR_TIE).nonzero().flatten().tolist()
     return {"router_near_ties": len(ties), "worst_router_gaps": [
         {"pos": p, "kl": v, "min_gap": round(gaps[p].min().item(), 5),
@@ -84,7 +87,9 @@ def main() -> None:
     runs = json.load(open(os.path.join(a.gate, "gate_runs.json")))
     rows = []
     for name in dict.fromkeys(r["name"] for r in runs):
-        vocab = json.load(open(os.path.join(a.corpus, name, "config.json")))["vocab_size"]
+        cfg = json.load(open(os.path.join(a.corpus, name, "config.json")))
+        vocab = cfg["vocab_size"]
+        gaps = None  # MoE only, computed once per checkpoint
         ref = torch.load(os.path.join(a.ref, f"{name}.pt"))["logits"]
         hf_path = os.path.join(a.ref, f"hf-{ex3[name]['model']}.pt")
         hf = torch.load(hf_path)["logits"] if os.path.exists(hf_path) else None  # none for committed fixtures
@@ -107,9 +112,10 @@ def main() -> None:
                 model = Model.from_config(Config.from_directory(os.path.join(a.corpus, name)))
                 model.load(device="cuda:0")
             g = greedy_check(model, got["greedy"], vocab)
-            cfg = json.load(open(os.path.join(a.corpus, name, "config.json")))
             if cfg.get("num_experts") or cfg.get("num_local_experts"):
-                g.update(routing_note(os.path.join(a.corpus, name), torch.load(os.path.join(a.ref, "tokens.pt")), worst))
+                if gaps is None:
+                    gaps = gaps_of(os.path.join(a.corpus, name), torch.load(os.path.join(a.ref, "tokens.pt")))
+                g.update(routing_note(gaps, worst))
             max_kl, min_top1 = GATES.get(run["dtype"], (1e-3, 0.99))
             row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1, worst_positions=worst,
                        kl_unquantized_vs_vllm=kl_hf, top1_unquantized_vs_vllm=top1_hf, init_s=round(got["init_s"], 1),

@@ -155,7 +155,7 @@ def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) ->
     t = mma_tier(m, bits, d.smem_limit) if m <= 128 else None
     if t is not None:
         out.append(t.name)
-    out = [c for c in dict.fromkeys(out) if switched_on(c, d.arch)]
+    out = [c for c in out if switched_on(c, d.arch)]
     return out + ["dequant"] if m >= 32 or not out else out
 
 

@@ -20,7 +20,7 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         self.config = config
         self.prefix = prefix
         self.spec = spec
-        self.hidden = spec.hidden  # the model's hidden size, set by create_weights (one method per layer)
+        self.hidden: int | None = None  # the model's hidden size (create_weights; one method per layer)
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
