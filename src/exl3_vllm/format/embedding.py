@@ -79,7 +79,8 @@ def decode_rows(rows: torch.Tensor, signs: torch.Tensor, hidden: int,
     values = values.to(torch.float32) * scale.unsqueeze(-1)
     # 1/16 and the signs are exact in fp32, so the one rounding is the cast to fp16.
     out = (_wht(values) * (1.0 / 16) * signs.to(torch.float32)).to(torch.float16)
-    return out.reshape(-1, groups * GROUP)[:, :hidden]
+    # Contiguous even when the last group is part padding: vLLM's fused add + RMSNorm refuses strided rows.
+    return out.reshape(-1, groups * GROUP)[:, :hidden].contiguous()
 
 
 def dense_table(trellis: torch.Tensor, signs: torch.Tensor, hidden: int, chunk: int = 4096) -> torch.Tensor:
