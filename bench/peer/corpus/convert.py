@@ -53,8 +53,9 @@ JOBS = {
     "llama-b4-hq": ("llama", ["-b", "4", "-hq"], "gate full"),
     "llama-b3.5-eb6": ("llama", ["-b", "3.5", "-eb", "6"], "full"),
     "llama-b4-eb8-hb16": ("llama", ["-b", "4", "-eb", "8", "-hb", "16"], "full"),
-    # Measure + optimize across a mul1 and an mcg model: shards of one fused layer may differ in K and codebook.
-    "llama-opt4": ("llama", ("optimize", ["llama-b3", "llama-b5-mcg"], 4.0), "gate full"),
+    # Measure + optimize between two models of one codebook (exllamav3's optimizer reads every input with the
+    # first one's tensor names, so it cannot mix codebooks): shards of one fused layer may differ in K.
+    "llama-opt3.5": ("llama", ("optimize", ["llama-b3", "llama-b4"], 3.5), "gate full"),
     # Tied source embeddings (the converter unties and quantizes a separate head).
     "llama-tied-b4": ("llama-tied", ["-b", "4"], "gate sample full"),
     "llama-tied-b3.5-eb4": ("llama-tied", ["-b", "3.5", "-eb", "4"], "full"),
