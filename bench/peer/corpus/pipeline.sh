@@ -34,10 +34,6 @@ if [ -n "${EXT_SO:-}" ]; then
 fi
 stamp "start set=${SET:-sample} git=$(git rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-# Our kernels for the gate, compiled once here (the cache the kit's engines read, device_env.sh): engines that
-# start before it is done would each compile the same modules at load.
-( XDG_CACHE_HOME=/tmp/exl3cache nice -n 5 python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 \
-  --jobs 4 > $C/nvrtc.log 2>&1; touch $C/NVRTC_DONE ) &
 # FIXTURES=committed (default): the CI fixtures in tests/data/corpus join the gate as they are, instead of being
 # converted again (their two embedding quantizations hold the GPU for minutes); their source models are not
 # retrained, so they have no unquantized reference. FIXTURES=convert makes new ones (then copy them into tests/).
@@ -64,6 +60,11 @@ wait $BUILD
 tail -n 3 $C/build.log
 grep -q "rc=0" $C/build.log || { stamp "build FAILED"; grep -m 20 -i "error" $C/build.log; exit 1; }
 stamp "built"
+# Our kernels for the gate, compiled once here (the cache the kit's engines read, device_env.sh): engines that
+# start before it is done would each compile the same modules at load. After the extension's build, not beside it:
+# there, starved of CPU, it finished 400 s after the build and held the engines back.
+( XDG_CACHE_HOME=/tmp/exl3cache nice -n 5 python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 \
+  --jobs 12 > $C/nvrtc.log 2>&1; touch $C/NVRTC_DONE; stamp "NVRTC compiled" ) &
 # Convert every job of the set (those that quantize the embedding first: they hold the GPU longest). exllamav3's
 # reference forward follows each checkpoint as it lands, so the engines (gate.sh) start while the rest convert.
 python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} $SKIP --jobs ${JOBS:-5} \
