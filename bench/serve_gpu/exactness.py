@@ -1,5 +1,8 @@
 """Exactness in real vLLM: our kernels against the same engine on the format reference (EXL3_VLLM_BACKEND=reference).
 
+The model is a synthetic mixed-bits Qwen3 (or Qwen3-MoE with --moe), or with --checkpoint DIR any EXL3 checkpoint, e.g.
+one exllamav3's converter wrote (bench/peer/corpus); --dtype picks the activation dtype (bfloat16 by default).
+
 On the GPU machine, after the kit is staged (run_exactness.sh does all of it):
     python3 bench/serve_gpu/exactness.py --out $OUT
 Offline, with another tolerance, from the raw results it saved:
@@ -65,18 +68,19 @@ def prompts(vocab: int, n: int = NUM_PROMPTS) -> list[list[int]]:
     return [[rng.randrange(4, vocab) for _ in range(LENGTHS[i % len(LENGTHS)])] for i in range(n)]
 
 
-def engine(model: str, max_tokens: int, eager: bool) -> dict:
+def engine(model: str, max_tokens: int, eager: bool, dtype: str) -> dict:
     """One engine (backend from EXL3_VLLM_BACKEND): the 32 prompts together, then one at a time."""
     import vllm
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
     kw = {"enforce_eager": True} if eager else {}
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_PROMPTS,
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    llm = LLM(model=model, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_PROMPTS,
               gpu_memory_utilization=0.25, seed=0, **kw)
     t_init = time.time() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    ps = [{"prompt_token_ids": p} for p in prompts(CONFIG["vocab_size"])]
+    ps = [{"prompt_token_ids": p} for p in prompts(cfg["vocab_size"])]
 
     def pack(out):
         prompt_lp = [lp[t].logprob for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
@@ -119,7 +123,7 @@ def compare(a: list, b: list, tol: float) -> dict:
 
 def summarize(raw: dict, tol: float) -> dict:
     s = {"tol": tol, "prompts": NUM_PROMPTS, "prompt_lengths": LENGTHS, "tokens": raw.get("tokens"),
-         "eager": raw.get("eager", False),
+         "eager": raw.get("eager", False), "dtype": raw.get("dtype", "bfloat16"), "model": raw.get("model"),
          "config": raw.get("config"), "bits_map": raw.get("bits_map"), "env": raw.get("env"), "checks": {}}
     res = raw.get("results", {})
     for name, r in res.items():
@@ -177,9 +181,11 @@ def main() -> int:
     ap.add_argument("--recompare", metavar="RAW_JSON")
     ap.add_argument("--summary", metavar="JSON", help="with --recompare: also write the summary there")
     ap.add_argument("--moe", action="store_true", help="a small mixed-bits Qwen3-MoE instead of the dense Qwen3")
+    ap.add_argument("--checkpoint", metavar="DIR", help="this EXL3 checkpoint instead of a synthetic one")
+    ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args()
     if a.child:
-        res = engine(a.model, a.tokens, a.eager)
+        res = engine(a.model, a.tokens, a.eager, a.dtype)
         with open(a.child, "w") as f:
             json.dump(res, f)
         return 0
@@ -195,12 +201,17 @@ def main() -> int:
 
     os.makedirs(a.out, exist_ok=True)
     t_start = time.time()
-    from exl3_vllm.synth import synthesize
+    if a.checkpoint:
+        a.model = os.path.abspath(a.checkpoint)
+        config, bits_map = json.load(open(os.path.join(a.model, "config.json"))), None
+    else:
+        from exl3_vllm.synth import synthesize
 
-    config, bits_map = (MOE_CONFIG, MOE_BITS_MAP) if a.moe else (CONFIG, BITS_MAP)
-    synthesize(config, a.model, bits=4, head_bits=HEAD_BITS, bits_map=bits_map, seed=11, overwrite=True,
-               log=print)
-    raw = {"tokens": a.tokens, "eager": a.eager, "config": config, "bits_map": bits_map, "env": env_facts(),
+        config, bits_map = (MOE_CONFIG, MOE_BITS_MAP) if a.moe else (CONFIG, BITS_MAP)
+        synthesize(config, a.model, bits=4, head_bits=HEAD_BITS, bits_map=bits_map, seed=11, overwrite=True,
+                   log=print)
+    raw = {"tokens": a.tokens, "eager": a.eager, "dtype": a.dtype, "model": a.model, "config": config,
+           "bits_map": bits_map, "env": env_facts(),
            "results": {},
            "errors": {}}
     raw_path = os.path.join(a.out, "exact-raw.json")
@@ -212,7 +223,7 @@ def main() -> int:
         env = dict(os.environ, EXL3_VLLM_BACKEND="reference" if backend == "reference" else "auto")
         res_file = os.path.join("/tmp", f"exact-{backend}-{os.getpid()}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", res_file, "--model", a.model,
-               "--tokens", str(a.tokens)] + (["--eager"] if a.eager else [])
+               "--tokens", str(a.tokens), "--dtype", a.dtype] + (["--eager"] if a.eager else [])
         t0 = time.time()
         with open(os.path.join(a.out, f"exact-{backend}.log"), "w") as log:
             try:
