@@ -17,6 +17,18 @@ from exl3_vllm.kernels.variants import TIERS, all_modules
 _HAVE_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
 
 
+def S(choices):
+    """Choices in their written form (what EXL3_VLLM_TIER and the tune cache hold), for comparing with literals."""
+    return [str(c) for c in choices]
+
+
+def C(written):
+    """Choices from their written form: a list, or the values of a dict (keys kept)."""
+    if isinstance(written, dict):
+        return {k: dispatch.Choice.parse(v) for k, v in written.items()}
+    return [dispatch.Choice.parse(v) for v in written]
+
+
 def _layer(k, n, bits, shards=1, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = int(16 * bits) if bits == int(bits) else 16 * int(bits) + 8
@@ -221,7 +233,7 @@ def test_plan_fixed_suffix(monkeypatch):
     q = kop.plan(128, 8192, 28672, 4, 132, codebook=2, arch=90, force="x64:fixed")
     assert q.tier == "x64" and q.stream == 0 and q.splits >= 1
     hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024, sms=132)
-    assert tune.with_fixed(hopper, ["x64", "w128", "dequant"], 128, 8192, 28672, 4, 2, [28672]) == \
+    assert S(tune.with_fixed(hopper, C(["x64", "w128", "dequant"]), 128, 8192, 28672, 4, 2, [28672])) == \
         ["x64", "x64:fixed", "w128", "dequant"]
     with pytest.raises(kop.KernelError, match="not one of"):
         kop.plan(1, 4096, 4096, 4, 132, force="x99:fixed")
@@ -262,19 +274,19 @@ def test_plan_split_suffix_and_split_candidates():
     hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024, sms=132)
     # half, twice, then whole waves of 132 / 264 / 396 / 528 blocks over 32 column blocks (w16:s12 runs 11 splits of
     # 3 stages; h8's waves round to the factors already listed)
-    assert tune.with_splits(hopper, ["w16", "h8:fixed", "dequant"], 1, 4096, 4096, 4, 1, [4096]) == \
+    assert S(tune.with_splits(hopper, C(["w16", "h8:fixed", "dequant"]), 1, 4096, 4096, 4, 1, [4096])) == \
         ["w16:s4", "w16:s16", "w16:s11", "h8:s4", "h8:s16"]
     # 64 column blocks: 2 and 4 whole waves of one block per SM are 4 and 8 splits (the static plan takes 5)
     assert kop.plan(1, 28672, 8192, 4, 132, codebook=2, arch=90, force="h8:fixed").splits == 5
-    assert tune.with_splits(hopper, ["h8"], 1, 28672, 8192, 4, 2, [8192]) == ["h8:s2", "h8:s10", "h8:s4", "h8:s6",
+    assert S(tune.with_splits(hopper, C(["h8"]), 1, 28672, 8192, 4, 2, [8192])) == ["h8:s2", "h8:s10", "h8:s4", "h8:s6",
                                                                                "h8:s8"]
     # capped at one k16 stage per split, and never below one split
     assert kop.plan(64, 512, 4096, 4, 132, arch=90, force="x64:fixed").splits == 4
-    assert tune.with_splits(hopper, ["x64"], 64, 512, 4096, 4, 1, [4096]) == ["x64:s2"]
+    assert S(tune.with_splits(hopper, C(["x64"]), 64, 512, 4096, 4, 1, [4096])) == ["x64:s2"]
     # the two fastest distinct tiers: a tier's ':fixed' twin and dequant do not take the second place
-    times = {"x128": 94.5, "x128:fixed": 96.0, "dequant": 99.0, "x256:fixed": 101.0, "x256": 110.0}
-    assert tune.fastest_tiers(times) == ["x128", "x256:fixed"]
-    assert "x256:s1" in tune.with_splits(hopper, tune.fastest_tiers(times), 256, 4096, 14336, 4, 2, [14336])
+    times = dict(zip(C(["x128", "x128:fixed", "dequant", "x256:fixed", "x256"]), (94.5, 96.0, 99.0, 101.0, 110.0)))
+    assert S(tune.fastest_tiers(times)) == ["x128", "x256:fixed"]
+    assert "x256:s1" in S(tune.with_splits(hopper, tune.fastest_tiers(times), 256, 4096, 14336, 4, 2, [14336]))
 
 
 def test_candidates_take_the_128_column_twin():
@@ -283,15 +295,15 @@ def test_candidates_take_the_128_column_twin():
     from types import SimpleNamespace
     from exl3_vllm.kernels import tune
     hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024, sms=132)
-    c64 = tune.candidates(hopper, 64, 4096, 4, 2, 4096)
+    c64 = S(tune.candidates(hopper, 64, 4096, 4, 2, 4096))
     assert "w64" in c64 and "w64n" in c64
-    c128 = tune.candidates(hopper, 128, 4096, 4, 2, 4096)
+    c128 = S(tune.candidates(hopper, 128, 4096, 4, 2, 4096))
     assert "w128" in c128 and "w128n" in c128
-    assert "w32" in tune.candidates(hopper, 32, 4096, 4, 2, 4096)
-    narrow = tune.candidates(hopper, 64, 4096, 4, 2, 384)
+    assert "w32" in S(tune.candidates(hopper, 32, 4096, 4, 2, 4096))
+    narrow = S(tune.candidates(hopper, 64, 4096, 4, 2, 384))
     assert "w64n" in narrow and "w64" not in narrow
-    assert not any(c.startswith("w") for c in tune.candidates(SimpleNamespace(arch=89, smem_limit=99 * 1024, sms=128),
-                                                             64, 4096, 4, 2, 4096))
+    assert not any(c.startswith("w") for c in S(tune.candidates(SimpleNamespace(arch=89, smem_limit=99 * 1024, sms=128),
+                                                             64, 4096, 4, 2, 4096)))
 
 
 def test_plan_wg_tiers(monkeypatch):
@@ -342,7 +354,7 @@ def test_a_switched_off_tier_is_never_dispatched_from_a_cached_table(monkeypatch
     from exl3_vllm.kernels import tune
     d = SimpleNamespace(index=99, arch=90, sms=132, smem_limit=227 * 1024)
     key = (d.index, tune.layer_key(4096, 4096, 4, 2, [4096]))
-    monkeypatch.setitem(tune._table, key, {1: "i4", 8: "i8", 32: "w32", 64: "w64n:fixed", 128: "x128", 256: "dequant"})
+    monkeypatch.setitem(tune._table, key, C({1: "i4", 8: "i8", 32: "w32", 64: "w64n:fixed", 128: "x128", 256: "dequant"}))
     monkeypatch.delenv("EXL3_VLLM_TIER", raising=False)
     plan = lambda m: kop.plan_for(d, m, 4096, 4096, 4, 2, [4096])  # noqa: E731
     assert [plan(m).tier for m in (1, 8, 32, 64, 128)] == ["i4", "i8", "w32", "w64n", "x128"]
@@ -354,7 +366,7 @@ def test_a_switched_off_tier_is_never_dispatched_from_a_cached_table(monkeypatch
         assert tune.tier_set_tag() != tag
         for m in (1, 8, 32, 64, 128):
             p = plan(m)
-            assert not (m in off and p.tier == tune._table[key][m].split(":")[0]), (items, m, p)
+            assert not (m in off and p.tier == tune._table[key][m].tier), (items, m, p)
             assert not left_out(kop.TIERS[p.tier]), (items, m, p)
         assert plan(256).path == "dequant"
         monkeypatch.delenv("EXL3_VLLM_DISABLE")
@@ -382,12 +394,12 @@ def test_disable_list_is_checked_and_replaces_the_old_switches(monkeypatch):
     monkeypatch.setenv("EXL3_VLLM_DISABLE", "i*,h*,m*,w*,x*")
     assert kop.plan(1, 4096, 4096, 4, 132, codebook=2, arch=90).path == "dequant"
     hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024)
-    assert tune.candidates(hopper, 1, 4096, 4, 2, 4096) == ["dequant"]
+    assert S(tune.candidates(hopper, 1, 4096, 4, 2, 4096)) == ["dequant"]
     with pytest.raises(kop.KernelError, match="leaves no tier for the experts"):
         from exl3_vllm.kernels.moe import moe_plan
         moe_plan(16, 2, 8, 2048, 1536, 768, 2048, [4], [2], 132)
     monkeypatch.setenv("EXL3_VLLM_DISABLE", "x*, w64")
-    cands = tune.candidates(hopper, 64, 4096, 4, 1, 4096)
+    cands = S(tune.candidates(hopper, 64, 4096, 4, 1, 4096))
     assert cands and not [c for c in cands if c.startswith(("x", "w64"))], cands
     monkeypatch.setenv("EXL3_VLLM_TIER", "x128")
     with pytest.raises(kop.KernelError, match="EXL3_VLLM_DISABLE leaves out"):
@@ -401,20 +413,20 @@ def test_tune_buckets_and_candidates():
     assert [tune.bucket(m) for m in (1, 3, 8, 9, 100, 4096, 9000)] == [1, 4, 8, 16, 128, 4096, 4096]
     hopper = SimpleNamespace(arch=90, smem_limit=227 * 1024)
     ampere = SimpleNamespace(arch=80, smem_limit=163 * 1024)
-    assert tune.candidates(hopper, 4, 4096, 4, 2, 4096) == ["i4", "i8", "h8", "w16", "m16"]
-    assert tune.candidates(hopper, 8, 4096, 4, 2, 4096) == ["i8", "h8", "w16", "m16"]
-    assert tune.candidates(hopper, 8, 4096, 4, 1, 4096) == ["h8", "w16", "m16"]
-    assert tune.candidates(hopper, 9, 4096, 4, 1, 4096) == ["h16", "w16", "m16"]
-    assert tune.candidates(hopper, 17, 4096, 4, 1, 4096) == ["w32", "m32"]
-    assert tune.candidates(hopper, 32, 4096, 4, 1, 4096) == ["w32", "x64", "m32", "dequant"]
-    assert tune.candidates(hopper, 64, 4096, 4, 1, 4096) == ["w64", "w64n", "x64", "x128", "m64", "dequant"]
-    assert tune.candidates(hopper, 64, 4096, 4, 1, 128) == ["w64n", "x64", "x128", "m64", "dequant"]
-    assert tune.candidates(hopper, 100, 4096, 4, 1, 128) == ["w128n", "x64", "x128", "m128", "dequant"]
-    assert tune.candidates(hopper, 100, 4096, 4, 1, 4096) == ["w128", "w128n", "x64", "x128", "m128", "dequant"]
-    assert tune.candidates(hopper, 256, 4096, 4, 1, 4096) == ["x128", "x256", "dequant"]
-    assert tune.candidates(hopper, 4096, 4096, 4, 1, 4096) == ["x256", "dequant"]
-    assert tune.candidates(ampere, 128, 4096, 4, 1, 4096) == ["m128", "dequant"]
-    assert tune.candidates(ampere, 256, 4096, 4, 1, 4096) == ["dequant"]
+    assert S(tune.candidates(hopper, 4, 4096, 4, 2, 4096)) == ["i4", "i8", "h8", "w16", "m16"]
+    assert S(tune.candidates(hopper, 8, 4096, 4, 2, 4096)) == ["i8", "h8", "w16", "m16"]
+    assert S(tune.candidates(hopper, 8, 4096, 4, 1, 4096)) == ["h8", "w16", "m16"]
+    assert S(tune.candidates(hopper, 9, 4096, 4, 1, 4096)) == ["h16", "w16", "m16"]
+    assert S(tune.candidates(hopper, 17, 4096, 4, 1, 4096)) == ["w32", "m32"]
+    assert S(tune.candidates(hopper, 32, 4096, 4, 1, 4096)) == ["w32", "x64", "m32", "dequant"]
+    assert S(tune.candidates(hopper, 64, 4096, 4, 1, 4096)) == ["w64", "w64n", "x64", "x128", "m64", "dequant"]
+    assert S(tune.candidates(hopper, 64, 4096, 4, 1, 128)) == ["w64n", "x64", "x128", "m64", "dequant"]
+    assert S(tune.candidates(hopper, 100, 4096, 4, 1, 128)) == ["w128n", "x64", "x128", "m128", "dequant"]
+    assert S(tune.candidates(hopper, 100, 4096, 4, 1, 4096)) == ["w128", "w128n", "x64", "x128", "m128", "dequant"]
+    assert S(tune.candidates(hopper, 256, 4096, 4, 1, 4096)) == ["x128", "x256", "dequant"]
+    assert S(tune.candidates(hopper, 4096, 4096, 4, 1, 4096)) == ["x256", "dequant"]
+    assert S(tune.candidates(ampere, 128, 4096, 4, 1, 4096)) == ["m128", "dequant"]
+    assert S(tune.candidates(ampere, 256, 4096, 4, 1, 4096)) == ["dequant"]
     assert tune.layer_key(4096, 6144, 2.5, 2, [4096, 1024, 1024]) == "4096x6144-K2.5-cb2-s4096_1024_1024"
 
 
@@ -449,15 +461,16 @@ def test_tune_rests_before_light_buckets(monkeypatch):
     from exl3_vllm.kernels import clock, tune
     rested = []
     monkeypatch.setattr(clock, "rest", lambda index, timeout=3.0: rested.append(index) or 0.0)
-    monkeypatch.setattr(tune, "_time_all", lambda x, y, trs, suh, svh, sizes, cb, b, cands, times: times.update({"dequant": 1.0}))
-    monkeypatch.setattr(tune, "candidates", lambda *a: ["dequant"])
+    deq = dispatch.Choice("dequant")
+    monkeypatch.setattr(tune, "_time_all", lambda x, y, trs, suh, svh, sizes, cb, b, cands, times: times.update({deq: 1.0}))
+    monkeypatch.setattr(tune, "candidates", lambda *a: [deq])
 
     class D:
         index, device, sms, smem_limit, arch = 0, torch.device("cpu"), 132, 227 * 1024, 90
     table = {}
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     tune._measure(D(), 256, 256, 4, 2, [256], [1, 256, 512, 1024], table)
-    assert rested == [0, 0] and table == {1: "dequant", 256: "dequant", 512: "dequant", 1024: "dequant"}
+    assert rested == [0, 0] and table == {1: deq, 256: deq, 512: deq, 1024: deq}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -553,13 +566,17 @@ def test_trellis_alignment_error():
 
 
 def test_the_cuda_instantiations_are_the_tier_table():
-    """variants.TIERS and the tier macros of exl3_linear.cu list the same tiers with the same block shape, stage and
-    stream-k twin: the Python dispatch never asks for a kernel the source does not build, nor builds one it ignores."""
+    """The instantiations generated from variants.TIERS (exl3_tiers.cuh, the only place exl3_linear.cu's kernels are
+    named) build each tier with its block shape, stages and stream-k twin, read back through the macros' meaning: the
+    Python dispatch never asks for a kernel the source does not build, nor builds one it ignores."""
     import re
 
     from exl3_vllm.kernels.nvrtc import read_source
-    src = read_source("exl3_linear.cu").decode()
-    calls = re.findall(r"^(EXL3_(?:TIER|FEW_TIER|WG_TIER|WG_STREAM|WS_TIER|FX_TIER))\((\w+), ([^)]*)\)$", src, re.M)
+    pattern = r"^(EXL3_(?:TIER|FEW_TIER|WG_TIER|WG_STREAM|WS_TIER|FX_TIER))\((\w+), ([^)]*)\)$"
+    assert not re.findall(pattern, read_source("exl3_linear.cu").decode(), re.M)
+    assert '#include "exl3_tiers.cuh"' in read_source("exl3_linear.cu").decode()
+    src = read_source("exl3_tiers.cuh").decode()
+    calls = re.findall(pattern, src, re.M)
     built, streams, fx = {}, set(), set()
     for macro, name, args in calls:
         a = [int(v) for v in args.split(", ")]
@@ -592,6 +609,6 @@ def test_every_cuda_header_is_registered():
     those: every .cuh of kernels/cuda must be one of them."""
     from importlib import resources
 
-    from exl3_vllm.kernels.nvrtc import HEADERS
+    from exl3_vllm.kernels.nvrtc import FILE_HEADERS
     cuda = resources.files("exl3_vllm.kernels").joinpath("cuda")
-    assert {f.name for f in cuda.iterdir() if f.name.endswith(".cuh")} == set(HEADERS)
+    assert {f.name for f in cuda.iterdir() if f.name.endswith(".cuh")} == set(FILE_HEADERS)

@@ -57,7 +57,7 @@ def explain(ck: Checkpoint, ms: list[int], arch: int = 90, sms: int = 132, smem:
             p = dispatch.plan(m, k, n, bits, sms, max(sizes), smem, codebook, arch, math.gcd(*sizes))
             rows.append({"m": m, "path": p.path, "tier": p.tier or "-", "splits": p.splits,
                          "stream_k": p.stream or "-", "passed_over": dispatch.passed_over(m, k, bits, codebook, arch, smem),
-                         "timed_on_gpu": tune.candidates(dev, m, k, bits, codebook, math.gcd(*sizes))
+                         "timed_on_gpu": [str(c) for c in tune.candidates(dev, m, k, bits, codebook, math.gcd(*sizes))]
                          if tune.enabled() else []})
         out.append({"k": k, "n": n, "bits": bits, "codebook": codebook, "shards": list(sizes),
                     "modules": len(mods), "example": mods[0], "rows": rows, "experts": experts})

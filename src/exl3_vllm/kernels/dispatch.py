@@ -126,6 +126,37 @@ def bits_of(trellis: torch.Tensor) -> float:
     raise KernelError(f"trellis last dimension {w} is not 16*K (K=1..8) or 16*K+8 (K=1.5/2.5/3.5)")
 
 
+DEQUANT = "dequant"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A path asked for by name (EXL3_VLLM_TIER, a tuned table, a benchmark): a tier of TIERS or DEQUANT, and how it
+    splits k. Written as "<tier>", "<tier>:fixed" (fixed split-k where it would run stream-k) or "<tier>:s<N>" (fixed
+    split-k over N splits): the environment's and the tune cache's form."""
+    tier: str
+    fixed: bool = False
+    splits: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Choice":
+        name, *opts = text.split(":")
+        if name != DEQUANT and name not in TIERS:
+            raise KernelError(f"EXL3_VLLM_TIER={name!r} is not one of {sorted(TIERS)} or {DEQUANT!r}")
+        fixed, splits = False, None
+        for o in opts:
+            if o == "fixed":
+                fixed = True
+            elif o[:1] == "s" and o[1:].isdigit() and int(o[1:]) >= 1:
+                splits = int(o[1:])
+            else:
+                raise KernelError(f"tier option ':{o}' is not ':fixed' or ':s<N>' (N >= 1 splits)")
+        return cls(name, fixed or splits is not None, splits)
+
+    def __str__(self) -> str:
+        return self.tier + (f":s{self.splits}" if self.splits else ":fixed" if self.fixed else "")
+
+
 @dataclass(frozen=True)
 class Plan:
     path: str             # "gemm" or "dequant"
@@ -180,30 +211,24 @@ def mma_tier(m: int, bits: float, smem_limit: int):
 
 def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | None = None,
          smem_limit: int = 227 * 1024, codebook: int = -1, arch: int = 0, col_align: int | None = None,
-         force: str | None = None) -> Plan:
+         force: Choice | str | None = None) -> Plan:
     """How one call runs: tier and split-k factor, or the dequant path with its chunk width.
 
     col_align: the gcd of the shard widths (a block's columns must lie in one shard); default n_total.
-    force: a tier name or "dequant" (default: EXL3_VLLM_TIER, else the static choice below); "<tier>:fixed" keeps
-    fixed split-k where that tier would run stream-k; "<tier>:s<N>" runs fixed split-k over N splits.
+    force: the path to take (a Choice or its written form; default: EXL3_VLLM_TIER, else the static choice below).
     """
     col_align = col_align or n_total
     force = settings.get("EXL3_VLLM_TIER") if force is None else force
-    force, *opts = force.split(":")
-    fixed = "fixed" in opts
-    fs = settings.get("EXL3_VLLM_SPLITS")
-    for o in opts:
-        if o != "fixed" and not (o[:1] == "s" and o[1:].isdigit() and int(o[1:]) >= 1):
-            raise KernelError(f"tier option ':{o}' is not ':fixed' or ':s<N>' (N >= 1 splits)")
-        if o[:1] == "s":
-            fs = o[1:]
-    if force == "dequant" or (not force and m > large_m()):
+    if isinstance(force, str):
+        force = Choice.parse(force) if force else None
+    fixed = force is not None and force.fixed
+    fs = settings.get("EXL3_VLLM_SPLITS") if force is None or force.splits is None else str(force.splits)
+    if (force is not None and force.tier == DEQUANT) or (force is None and m > large_m()):
         cols = max(128, (dequant_bytes() // (2 * k)) // 128 * 128)
         return Plan("dequant", chunk=min(cols, max_shard or n_total))
-    if force:
-        if force not in TIERS:
-            raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of {sorted(TIERS)} or 'dequant'")
-        tier = TIERS[force]
+    if force is not None:
+        tier = TIERS[force.tier]
+        force = force.tier
         if tier.int8 and not (codebook == Codebook.MUL1 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
             raise KernelError(f"EXL3_VLLM_TIER={tier.name} needs the mul1 codebook, at most {tier.bm} rows and "
                               f"4*k + 1024 <= {smem_limit} (got codebook {codebook}, m={m}, k={k})")
@@ -284,9 +309,9 @@ def passed_over(m: int, k: int, bits: float, codebook: int, arch: int, smem: int
     return why
 
 
-def switched_on(choice: str, arch: int) -> bool:
-    """Whether EXL3_VLLM_DISABLE and the GPU allow a measured choice ("<tier>[:opts]" or "dequant")."""
-    tier = TIERS.get(choice.split(":")[0])
+def switched_on(choice: Choice, arch: int) -> bool:
+    """Whether EXL3_VLLM_DISABLE and the GPU allow a measured choice."""
+    tier = TIERS.get(choice.tier)
     if tier is None:
         return True
     return tier_on(tier) and (not tier.wg or arch == WG_ARCH)

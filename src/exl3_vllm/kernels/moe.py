@@ -14,7 +14,7 @@ from .. import settings
 from ..format.codebook import Codebook
 from . import nvrtc
 from .nvrtc import KernelError
-from .dispatch import bits_of, deterministic, int8_ok, tier_on
+from .dispatch import DEQUANT, Choice, bits_of, deterministic, int8_ok, tier_on
 from .runtime import BUF_DTYPES, ZERO_BUFS, GemmArgs, device_for
 from .variants import (IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, for_k, gemm_kernel_name, linear_defines,
                        whole_stages)
@@ -51,9 +51,10 @@ def moe_plan(tokens: int, topk: int, n_experts: int, k13: int, n13: int, k2: int
     active = max(1, min(n_experts, pairs))
     avg = pairs / active
     force = settings.get("EXL3_VLLM_TIER")
+    force = Choice.parse(force).tier if force else ""  # the experts take the tier; split options are the dense path's
     fp16 = [t for t in TIERS.values() if t.experts and not t.int8 and all(t.smem(b) <= smem_limit for b in bits)
             and tier_on(t)]
-    if force and force != "dequant":
+    if force and force != DEQUANT:
         if force not in TIERS or not TIERS[force].experts:
             raise KernelError(f"EXL3_VLLM_TIER={force!r} is not one of the MoE tiers "
                               f"{sorted(t for t in TIERS if TIERS[t].experts)}")

@@ -18,9 +18,12 @@ from pathlib import Path
 
 from .. import settings
 
-HEADERS = ("exl3_common.cuh", "exl3_input.cuh", "exl3_wgmma.cuh", "exl3_linear_args.cuh", "exl3_gemm_copy.cuh",
-           "exl3_gemm_tail.cuh", "exl3_gemm_mma.cuh", "exl3_gemm_wg.cuh", "exl3_gemm_body.cuh", "exl3_gemm_ws.cuh",
-           "exl3_recon.cuh")
+FILE_HEADERS = ("exl3_common.cuh", "exl3_input.cuh", "exl3_wgmma.cuh", "exl3_linear_args.cuh", "exl3_gemm_copy.cuh",
+                "exl3_gemm_tail.cuh", "exl3_gemm_mma.cuh", "exl3_gemm_wg.cuh", "exl3_gemm_body.cuh",
+                "exl3_gemm_ws.cuh", "exl3_recon.cuh")
+# Headers made in Python at compile time, not files: the tier table's kernel instantiations.
+GENERATED_HEADERS = ("exl3_tiers.cuh",)
+HEADERS = FILE_HEADERS + GENERATED_HEADERS
 # Fixed options; --use_fast_math is avoided so fp32 arithmetic stays IEEE round-to-nearest.
 _BASE_OPTS = ("-std=c++17", "-Xptxas=-v", "--fmad=true")
 
@@ -59,6 +62,9 @@ def supported_archs() -> list[int]:
 
 
 def read_source(name: str) -> bytes:
+    if name == "exl3_tiers.cuh":
+        from .variants import tier_instantiations
+        return tier_instantiations().encode()
     return resources.files("exl3_vllm.kernels").joinpath("cuda", name).read_bytes()
 
 

@@ -12,7 +12,7 @@ from .. import settings
 from ..format.codebook import Codebook
 from . import nvrtc, tune
 # The decisions live in dispatch.py; the names are re-exported here for callers of this op (tests, bench).
-from .dispatch import (Plan, backend, bits_of, dequant_bytes, deterministic, fused_input, fused_input_work,  # noqa: F401
+from .dispatch import (Choice, Plan, backend, bits_of, dequant_bytes, deterministic, fused_input, fused_input_work,  # noqa: F401
                        int8_ok, large_m, mma_tier, pdl_enabled, plan, switched_on, wg_enabled, wg_tier, ws_enabled,
                        ws_tier)
 from .nvrtc import KernelError
@@ -38,8 +38,8 @@ def plan_for(d: Device, m: int, k: int, n_total: int, bits: float, codebook: int
     turned its tier off, else static."""
     force = settings.get("EXL3_VLLM_TIER")
     if not force:
-        force = tune.choice(d, m, k, n_total, bits, codebook, sizes) or ""
-        force = force if switched_on(force, d.arch) else ""
+        tuned = tune.choice(d, m, k, n_total, bits, codebook, sizes)
+        force = tuned if tuned is not None and switched_on(tuned, d.arch) else ""
     return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
 
 
@@ -119,8 +119,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, force: str | None = None):
-    """Our kernels.  x [..., k] fp16/bf16 -> [..., n_total] in x.dtype; force picks the path (tier or "dequant")."""
+def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, force: Choice | str | None = None):
+    """Our kernels.  x [..., k] fp16/bf16 -> [..., n_total] in x.dtype; force picks the path (dispatch.Choice)."""
     k, n_total, sizes, bits = _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)

@@ -23,8 +23,8 @@ import torch
 
 from .. import settings
 from . import clock, nvrtc, variants
-from .dispatch import (deterministic, int8_ok, mma_tier, plan, switched_on, wg_enabled, wg_tier, ws_enabled,
-                       ws_tier)
+from .dispatch import (DEQUANT, Choice, deterministic, int8_ok, mma_tier, plan, switched_on, wg_enabled, wg_tier,
+                       ws_enabled, ws_tier)
 from .nvrtc import KernelError, cache_dir, nvrtc_version
 from .variants import IO_SOURCE, LINEAR_SOURCE, TIERS
 
@@ -124,7 +124,7 @@ def _load(index: int) -> dict:
     return _disk[index]
 
 
-def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Optional[str]:
+def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Optional[Choice]:
     """The measured path for m rows of this layer on device d, or None (not tuned: use the static plan)."""
     if not enabled():
         return None
@@ -132,7 +132,7 @@ def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: L
     return t.get(bucket(m)) if t else None
 
 
-def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) -> list[str]:
+def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) -> list[Choice]:
     """Every path worth timing for m rows: the int8 tier, the Hopper tiers, the mma.sync tier, dequant (a tier
     re-decodes the weights once per row block, so only blocks near m compete)."""
     out = []
@@ -155,51 +155,50 @@ def candidates(d, m: int, k: int, bits: float, codebook: int, col_align: int) ->
     t = mma_tier(m, bits, d.smem_limit) if m <= 128 else None
     if t is not None:
         out.append(t.name)
-    out = [c for c in out if switched_on(c, d.arch)]
-    return out + ["dequant"] if m >= 32 or not out else out
+    out = [Choice(c) for c in out if switched_on(Choice(c), d.arch)]
+    return out + [Choice(DEQUANT)] if m >= 32 or not out else out
 
 
-def with_fixed(d, cands: list[str], m: int, k: int, n_total: int, bits: float, codebook: int,
-               sizes: List[int]) -> list[str]:
-    """Each tier that would run stream-k here, also with fixed split-k ("<tier>:fixed"): which is faster depends on
-    the layer (stream-k's partial column blocks go through the fp32 workspace)."""
+def with_fixed(d, cands: list[Choice], m: int, k: int, n_total: int, bits: float, codebook: int,
+               sizes: List[int]) -> list[Choice]:
+    """Each tier that would run stream-k here, also with fixed split-k: which is faster depends on the layer
+    (stream-k's partial column blocks go through the fp32 workspace)."""
     out = []
     for c in cands:
         out.append(c)
-        if c != "dequant" and plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch,
-                                   math.gcd(*sizes), c).stream:
-            out.append(c + ":fixed")
+        if c.tier != DEQUANT and plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch,
+                                      math.gcd(*sizes), c).stream:
+            out.append(Choice(c.tier, fixed=True))
     return out
 
 
-def fastest_tiers(times: dict, n: int = 2) -> list[str]:
+def fastest_tiers(times: dict, n: int = 2) -> list[Choice]:
     """The fastest timing of each of the n fastest distinct tiers (dequant has no split factor): a tier's stream-k and
-    ':fixed' runs count once, so a second tier whose other split factors may win is not crowded out."""
+    fixed split-k runs count once, so a second tier whose other split factors may win is not crowded out."""
     out, seen = [], set()
     for c in sorted(times, key=times.get):
-        tier = c.split(":")[0]
-        if tier != "dequant" and tier not in seen:
-            seen.add(tier)
+        if c.tier != DEQUANT and c.tier not in seen:
+            seen.add(c.tier)
             out.append(c)
     return out[:n]
 
 
-def with_splits(d, best: list[str], m: int, k: int, n_total: int, bits: float, codebook: int,
-                sizes: List[int]) -> list[str]:
-    """The best tiers again at other fixed split-k factors ("<tier>:s<N>"): half and twice the static factor, and the
+def with_splits(d, best: list[Choice], m: int, k: int, n_total: int, bits: float, codebook: int,
+                sizes: List[int]) -> list[Choice]:
+    """The best tiers again at other fixed split-k factors: half and twice the static factor, and the
     factors whose grids fill 1..4 whole waves of one block per SM (a tier may fit one or two per SM). Fewer splits
     mean fewer atomics and x re-reads, more mean more resident blocks to hide the decode latency. Factors are listed as
     the plan runs them (a factor that rounds to whole stages of another is timed once)."""
     out = []
     for c in best:
-        tier = c.split(":")[0]
-        if tier == "dequant":
+        tier = c.tier
+        if tier == DEQUANT:
             continue
         t = TIERS[tier]
 
         def runs(s: int) -> int:
             return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes),
-                        f"{tier}:s{s}" if s else tier + ":fixed").splits
+                        Choice(tier, True, s or None)).splits
         base = runs(0)
         blocks = (n_total // t.cols) * -(-m // t.bm)
         # (plan caps a factor at one k16 stage per split)
@@ -209,7 +208,7 @@ def with_splits(d, best: list[str], m: int, k: int, n_total: int, bits: float, c
             s = runs(s)
             if s not in seen:
                 seen.add(s)
-                out.append(f"{tier}:s{s}")
+                out.append(Choice(tier, True, s))
     return list(dict.fromkeys(out))
 
 
@@ -253,12 +252,15 @@ def ensure(d, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
         disk = _load(d.index).setdefault(key, {})
         for b in want:
             if b not in table and str(b) in disk:
-                table[b] = disk[str(b)]
+                try:
+                    table[b] = Choice.parse(disk[str(b)])
+                except KernelError:  # a hand-edited or foreign entry: timed again
+                    pass
         todo = [b for b in want if b not in table]
         if not todo:
             return
         _measure(d, k, n_total, bits, codebook, sizes, todo, table)
-        disk.update({str(b): v for b, v in table.items()})
+        disk.update({str(b): str(v) for b, v in table.items()})
         merge_write(_path(d.index), {key: disk})
 
 
@@ -279,7 +281,7 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
                 clock.rest(d.index)
             x = torch.randn(b, k, device=dev, dtype=torch.bfloat16, generator=g)
             y = torch.empty(b, n_total, device=dev, dtype=torch.bfloat16)
-            times: dict[str, float] = {}
+            times: dict[Choice, float] = {}
             cands = with_fixed(d, candidates(d, b, k, bits, codebook, col_align), b, k, n_total, bits, codebook, sizes)
             _time_all(x, y, trs, suh, svh, sizes, codebook, b, cands, times)
             if b <= split_bucket():

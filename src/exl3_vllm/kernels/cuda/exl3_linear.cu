@@ -11,11 +11,6 @@
     extern "C" __global__ void __launch_bounds__(32 * (8 / NT) * KW) exl3_gemm_##NAME##_bf16(const GemmArgs p) \
     { extern __shared__ __align__(16) char smem[]; gemm_body<BM, NT, KW, KS, ST, true>(p, smem); }
 
-EXL3_TIER(m16, 16, 8, 8, 8, 4)
-EXL3_TIER(m32, 32, 4, 4, 8, 4)
-EXL3_TIER(m64, 64, 2, 4, 8, 3)
-EXL3_TIER(m128, 128, 1, 2, 4, 3)
-
 // Stream-k twins keep two resident blocks (128 registers) where K allows, enough warps to hide the decode latency.
 // 16-step stages unroll twice the decode: that fits for integer K up to 5 on sm_90 / sm_120, not on sm_8x (the
 // compile sweep's spills).
@@ -39,32 +34,12 @@ __host__ __device__ constexpr int minb_stream(int ks) { return ks > 8 ? MINB_STR
     { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, false, MODE, true>(p, smem); } \
     extern "C" __global__ void __launch_bounds__(256, minb_stream(KS)) exl3_gemm_##NAME##s_bf16(const GemmArgs p) \
     { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, true, MODE, true>(p, smem); }
-// h8 / h16: each 8 rows of x as the MMA's n against 16 weight columns as its A operand (per 8 rows and tile one MMA
-// for mul1, two for 3inst / mcg whose weight halves the MMA adds: no fp16 packing in the decode).
-EXL3_FEW_TIER(h8, 8, 3, 16, 2)
-EXL3_FEW_TIER(h16, 16, 3, 16, 2)
-EXL3_FEW_TIER(h8k8, 8, 3, 8, 4)
-EXL3_FEW_TIER(h16k8, 16, 3, 8, 4)
 // Their "fx" twins (fixed split-k): each block transforms its own rows of raw x (no input-transform launch).
 #define EXL3_FX_TIER(NAME, BM, KS, ST) \
     extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##fx_f16(const GemmArgs p) \
     { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, false, 3, false, false, true>(p, smem); } \
     extern "C" __global__ void __launch_bounds__(256, 1) exl3_gemm_##NAME##fx_bf16(const GemmArgs p) \
     { extern __shared__ __align__(16) char smem[]; gemm_body<BM, 4, 4, KS, ST, true, 3, false, false, true>(p, smem); }
-EXL3_FX_TIER(h8, 8, 16, 2)
-EXL3_FX_TIER(h16, 16, 16, 2)
-EXL3_FX_TIER(h8k8, 8, 8, 4)
-EXL3_FX_TIER(h16k8, 16, 8, 4)
-
-#if EXL3_CB == 2
-
-// int8 activations against the mul1 product bytes: i8 = up to 8 rows (hi and lo parts as the 16 MMA rows), i4 = up
-// to 4 rows with the weights as the MMA's A operand (16 columns per MMA instead of 8: half the MMAs per tile).
-EXL3_FEW_TIER(i8, 8, 1, 16, 2)
-EXL3_FEW_TIER(i4, 8, 2, 16, 2)
-EXL3_FEW_TIER(i8k8, 8, 1, 8, 4)
-EXL3_FEW_TIER(i4k8, 8, 2, 8, 4)
-#endif
 
 #ifdef EXL3_WGMMA
 // Hopper tiers: (rows of x per block, warpgroups per block (64 columns each), k16 steps per stage, stages); the NT
@@ -81,16 +56,6 @@ EXL3_FEW_TIER(i4k8, 8, 2, 8, 4)
     extern "C" __global__ void __launch_bounds__(128 * NWG, 4 / NWG) exl3_gemm_##NAME##s_bf16(const GemmArgs p) \
     { extern __shared__ __align__(128) char smem[]; gemm_body<BN, NWG, 1, KS, ST, true, false, true, true>(p, smem); }
 
-EXL3_WG_TIER(w16, 16, 2, 8, 4)
-EXL3_WG_TIER(w32, 32, 2, 8, 4)
-EXL3_WG_TIER(w64n, 64, 2, 4, 4)
-EXL3_WG_TIER(w128n, 128, 2, 4, 4)
-EXL3_WG_TIER(w64, 64, 4, 8, 4)
-EXL3_WG_TIER(w128, 128, 4, 4, 4)
-EXL3_WG_STREAM(w32, 32, 2, 8, 4)
-EXL3_WG_STREAM(w64n, 64, 2, 4, 4)
-EXL3_WG_STREAM(w64, 64, 4, 8, 4)
-
 // Warp-specialized tiers: (rows of x per block, producer warpgroups, k16 steps per stage, stages, PREG); 128 columns
 // per block, two consumer warpgroups; PREG > 0: the producers keep that many registers per thread, the rest go to the
 // consumers (setmaxnreg).
@@ -102,12 +67,10 @@ EXL3_WG_STREAM(w64, 64, 4, 8, 4)
     EXL3_WS_KERNEL(NAME##_bf16, BN, NP, KS, ST, PREG, true, false) \
     EXL3_WS_KERNEL(NAME##s_f16, BN, NP, KS, ST, PREG, false, true) \
     EXL3_WS_KERNEL(NAME##s_bf16, BN, NP, KS, ST, PREG, true, true)
-
-EXL3_WS_TIER(x64, 64, 2, 8, 3, 0)
-EXL3_WS_TIER(x128, 128, 2, 4, 4, 0)
-// x256's producers keep 80 registers so the consumers' 176 hold the accumulators and a stage's A fragments.
-EXL3_WS_TIER(x256, 256, 2, 4, 3, 80)
 #endif
+
+// The instantiations: one line per tier of variants.TIERS, generated (nvrtc.py passes it as this header).
+#include "exl3_tiers.cuh"
 
 // Two blocks per SM where registers allow (a warp's eight tiles' packed fragments stay live through each phase).
 #if __CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 800
