@@ -43,6 +43,28 @@ def compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
             "ref_margin_at_differ_max": (top2[:, 0] - top2[:, 1])[differ].max().item() if differ.any() else None}
 
 
+def dtype_logits(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """model's logits over ids [1, T] in float32, float16 and bfloat16 (on ids' device), fp32 on the CPU."""
+    rope = {n: b.clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    out = {}
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        model.to(dt)
+        for n, b in rope.items():  # RoPE frequencies stay fp32, as every engine keeps them
+            setattr(model.get_submodule(n.rsplit(".", 1)[0]), n.rsplit(".", 1)[1], b.clone())
+        with torch.inference_mode():
+            out[str(dt).split(".")[1]] = model(ids).logits[0].float().cpu()
+    return out
+
+
+def floors(ckpt: str, ids: torch.Tensor, device: str = "cpu") -> dict[str, dict]:
+    """The floor of each gate dtype for this checkpoint: float16 against float32, bfloat16 against float16."""
+    model, _ = dense_model(ckpt)
+    logits = dtype_logits(model.to(device), ids.view(1, -1).to(device))
+    del model
+    return {"float16": compare(logits["float32"], logits["float16"]),
+            "bfloat16": compare(logits["float16"], logits["bfloat16"])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpus", required=True)
@@ -56,15 +78,7 @@ def main() -> None:
         ckpt = os.path.join(a.corpus, name)
         model, _ = dense_model(ckpt)
         ids = heldout_ids(a.text, ckpt, a.tokens).view(1, -1)
-        logits = {}
-        rope = {n: b.clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
-        for dt in (torch.float32, torch.float16, torch.bfloat16):
-            model.to(dt)
-            for n, b in rope.items():  # RoPE frequencies stay fp32, as every engine keeps them
-                mod, attr = model.get_submodule(n.rsplit(".", 1)[0]), n.rsplit(".", 1)[1]
-                setattr(mod, attr, b.clone())
-            with torch.inference_mode():
-                logits[str(dt).split(".")[1]] = model(ids).logits[0].float()
+        logits = dtype_logits(model, ids)
         for ref, got in (("float32", "float16"), ("float32", "bfloat16"), ("float16", "bfloat16")):
             row = {"name": name, "ref": ref, "got": got, "positions": ids.shape[1], **compare(logits[ref], logits[got])}
             rows.append(row)
