@@ -39,7 +39,9 @@ def _row(kind, n, c, tok_s, tpot, ttft):
 
 def test_report_ratios_and_goals(tmp_path, monkeypatch):
     rows = {"exl3": [_row("exl3", 1024, 1, 340.0, 2.9, 30.0), _row("exl3", 8192, 1, 300.0, 3.0, 260.0)],
-            "bf16": [_row("bf16", 1024, 1, 200.0, 4.8, 30.0), _row("bf16", 8192, 1, 190.0, 4.9, 200.0)]}
+            "bf16": [_row("bf16", 1024, 1, 200.0, 4.8, 30.0), _row("bf16", 8192, 1, 190.0, 4.9, 200.0)],
+            "fp8": [_row("fp8", 1024, 1, 360.0, 2.7, 25.0)],
+            "gptq": [_row("gptq", 1024, 1, 300.0, 3.2, 28.0), _row("gptq", 8192, 1, 280.0, 3.3, 230.0)]}
     for kind, rs in rows.items():
         (tmp_path / f"{kind}_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
         (tmp_path / f"{kind}_meta.json").write_text(json.dumps({"commands": {"serve": f"serve {kind}"},
@@ -48,8 +50,25 @@ def test_report_ratios_and_goals(tmp_path, monkeypatch):
                                       "--commit", "abc"])
     assert report.main() == 0
     md = (tmp_path / "out" / "2099-01-02-serve-h200.md").read_text()
-    assert "decode tok/s 1.66x ≥1.6: met" in md            # 4.8 / 2.9
-    assert "TTFT 1.30x ≤1.15: MISSED" in md                 # 260 / 200
-    assert "Goals missed: in 8192 c=1: TTFT 1.30x" in md
+    assert "out tok/s 1.70x ≥1.6: met" in md                # 340 / 200
+    assert "out tok/s 1.58x ≥1.6: MISSED" in md             # 300 / 190
+    assert "TTFT 1.30x ≤1.1: MISSED" in md                  # 260 / 200
+    assert "Goals missed: in 8192 c=1: out tok/s 1.58x, in 8192 c=1: TTFT 1.30x" in md
+    # The peers: EXL3 / FP8 0.94 at c=1 misses; EXL3 / GPTQ 1.13 and 1.07 meet; FP8 has no 8192 row.
+    assert "| 1024 / 256 | 1 | 340.0 | 200.0 | 360.0 | 300.0 | 1.70 | 0.94 | 1.13 | 30.0 | 30.0 | 25.0 | 28.0 |" in md
+    assert "Peer goals missed: in 1024 c=1: EXL3 / fp8 0.94x < 1." in md
     csv = (tmp_path / "out" / "2099-01-02-serve-h200.csv").read_text().splitlines()
     assert len(csv) == 3 and csv[1].startswith("1024,256,1,8,1025,")
+    head = csv[0].split(",")
+    assert "gptq_output_throughput" in head and "ratio_output_tok_s_vs_fp8" in head
+    assert csv[2].split(",")[head.index("ratio_output_tok_s_vs_gptq")] == f"{300 / 280:.4g}"
+
+
+def test_gptq_peer_names_its_linears():
+    """With --load-format dummy there are no weight files for vLLM to find quantized layers in: the config names them,
+    or vLLM would serve every layer in bf16."""
+    import serve_bench
+    q = serve_bench.gptq_config({"num_hidden_layers": 2})
+    assert (q["quant_method"], q["bits"], q["group_size"], q["sym"], q["desc_act"]) == ("gptq", 4, 128, True, False)
+    assert "mlp.down_proj" in q["modules_in_block_to_quantize"][0]
+    assert "mlp.experts" in serve_bench.gptq_config({"num_experts": 8})["modules_in_block_to_quantize"][0]

@@ -1,6 +1,7 @@
-"""Serving report: EXL3 against bf16 rows from serve_bench.py -> bench/results/<date>-serve-h200.{md,csv,png}.
+"""Serving report: EXL3 against bf16 (and the fp8 / gptq peers where measured) rows from serve_bench.py ->
+bench/results/<date>-serve-h200.{md,csv,png}.
 
-Here, with the files the device calls returned (each --dir may hold either kind; later dirs win):
+Here, with the files the device calls returned (each --dir may hold any kind; later dirs win):
     .venv/bin/python bench/serve_gpu/report.py --dir CALL3_FILES --dir CALL4_FILES \\
         --exactness CALL2_FILES/exactness.json --out-dir bench/results
 """
@@ -13,7 +14,9 @@ import math
 import os
 import subprocess
 
-KINDS = ("exl3", "bf16")
+KINDS = ("exl3", "bf16", "fp8", "gptq")
+PEERS = ("fp8", "gptq")
+LABELS = {"exl3": "EXL3 4.0 bpw", "bf16": "bf16", "fp8": "FP8 (vLLM online)", "gptq": "GPTQ 4-bit g128 (Marlin)"}
 DEVICE_CALLS = [("bash bench/serve_gpu/run_prepare.sh .vkit/c0", '[".vkit/c0"]'),
                 ("bash .vkit/c1/stage.sh .vkit/c1", '[".vkit/c1"]'),
                 ("bash bench/serve_gpu/run_exactness.sh .vkit/c2", '[".vkit/c2"]'),
@@ -39,9 +42,11 @@ MODELS = {
                       "lm_head EXL3 6 bits, embeddings fp16; bf16 baseline: the same config with "
                       "`--load-format dummy` (vLLM's Triton fused MoE)", MOE_DEVICE_CALLS),
 }
-# (what, concurrency or None, input length or None, ratio key, bound, "min"/"max") from the issue.
-GOALS = [("decode tok/s", 1, None, "decode", 1.6, "min"), ("out tok/s", 16, None, "out", 1.5, "min"),
-         ("out tok/s", 64, None, "out", 1.0, "min"), ("TTFT", None, 8192, "ttft", 1.15, "max")]
+# (what, concurrency or None, input length or None, ratio key, bound, "min"/"max") against bf16, from issue 45.
+GOALS = [("out tok/s", 1, None, "out", 1.6, "min"), ("out tok/s", 16, None, "out", 1.3, "min"),
+         ("out tok/s", 64, None, "out", 1.0, "min"), ("TTFT", 1, None, "ttft", 1.1, "max")]
+# Against the peers (issue 45): at least GPTQ-Marlin's output tok/s at every row, FP8's up to concurrency 16.
+PEER_GOALS = {"gptq": 10 ** 9, "fp8": 16}
 METRICS = ["output_throughput", "total_token_throughput", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms",
            "completed", "failed", "duration", "total_input_tokens", "total_output_tokens"]
@@ -116,15 +121,49 @@ def git_commit() -> str:
 
 
 def keys(rows: dict) -> list[tuple[int, int]]:
-    return sorted(set(rows["exl3"]) | set(rows["bf16"]))
+    return sorted(set().union(*rows.values()))
+
+
+def present(rows: dict) -> list[str]:
+    """The kinds with rows, in KINDS order (exl3 and bf16 always: the tables are built around them)."""
+    return [k for k in KINDS if k in ("exl3", "bf16") or rows[k]]
+
+
+def peer_lines(rows: dict) -> tuple[list[str], list[str]]:
+    """The side-by-side table of every measured kind, with EXL3's ratio to each peer; and the peer goals missed."""
+    kinds = present(rows)
+    peers = [k for k in kinds if k in PEERS]
+    if not peers:
+        return [], []
+    head = "| in / out | c | " + " | ".join(f"{LABELS[k]} out tok/s" for k in kinds) + " | " + \
+        " | ".join(f"EXL3 / {k}" for k in kinds if k != "exl3") + " | " + \
+        " | ".join(f"{k} TTFT ms" for k in kinds) + " |"
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    missed = []
+    for key in keys(rows):
+        e = rows["exl3"].get(key)
+        cells = [fmt(val(rows[k].get(key), "output_throughput")) for k in kinds]
+        rat = []
+        for k in kinds[1:]:
+            x = ratios(e, rows[k].get(key))["out"]
+            rat.append(fmt(x, 2))
+            if k in PEER_GOALS and key[1] <= PEER_GOALS[k] and not math.isnan(x) and x < 1.0:
+                missed.append(f"in {key[0]} c={key[1]}: EXL3 / {k} {x:.2f}x < 1")
+        ttft = [fmt(val(rows[k].get(key), "mean_ttft_ms")) for k in kinds]
+        out_len = next((x["output_len"] for x in (rows[k].get(key) for k in kinds) if x and "output_len" in x), "?")
+        out.append(f"| {key[0]} / {out_len} | {key[1]} | " + " | ".join(cells + rat + ttft) + " |")
+    return out, missed
 
 
 def write_csv(path: str, rows: dict) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         head = ["input_len", "output_len", "concurrency", "num_prompts", "seed"]
-        head += [f"{k}_{m}" for k in KINDS for m in METRICS]
+        kinds = present(rows)
+        peers = [k for k in kinds if k in PEERS]
+        head += [f"{k}_{m}" for k in kinds for m in METRICS]
         head += ["ratio_output_tok_s", "ratio_decode_tok_s", "ratio_mean_tpot", "ratio_mean_ttft", "goals"]
+        head += [f"ratio_output_tok_s_vs_{k}" for k in peers] + [f"ratio_mean_ttft_vs_{k}" for k in peers]
         w.writerow(head)
         for key in keys(rows):
             e, b = rows["exl3"].get(key), rows["bf16"].get(key)
@@ -132,8 +171,10 @@ def write_csv(path: str, rows: dict) -> None:
             r = ratios(e, b)
             line = [key[0], any_row.get("output_len", ""), key[1], any_row.get("num_prompts", ""),
                     any_row.get("seed", "")]
-            line += [val(x, m) for x in (e, b) for m in METRICS]
+            line += [val(rows[k].get(key), m) for k in kinds for m in METRICS]
             line += [r["out"], r["decode"], r["tpot"], r["ttft"], goal_text(goals_for(key[0], key[1], r))]
+            line += [ratios(e, rows[k].get(key))["out"] for k in peers]
+            line += [ratios(e, rows[k].get(key))["ttft"] for k in peers]
             w.writerow(["" if isinstance(v, float) and math.isnan(v) else (f"{v:.4g}" if isinstance(v, float) else v)
                         for v in line])
 
@@ -153,7 +194,8 @@ def write_png(path: str, rows: dict) -> str | None:
         concs = sorted({c for (m, c) in keys(rows) if m == n})
         for j, (metric, label) in enumerate(panels):
             ax = axes[i][j]
-            for kind, style, name in (("exl3", "o-", "EXL3 4.0 bpw"), ("bf16", "s--", "bf16")):
+            for kind, style in zip(present(rows), ("o-", "s--", "d:", "^-.")):
+                name = LABELS[kind]
                 pts = [(c, val(rows[kind].get((n, c)), metric)) for c in concs]
                 pts = [(c, y) for c, y in pts if not math.isnan(y)]
                 if pts:
@@ -191,8 +233,8 @@ def inspect_text(m: dict) -> str:
             f"{i.get('total_bytes', 0) / 2 ** 30:.2f} GiB; made on the device in {m.get('model_s', '?')} s")
 
 
-def mem_table(meta: dict) -> list[str]:
-    out = ["| | EXL3 | bf16 |", "|---|---|---|"]
+def mem_table(meta: dict, kinds: list[str]) -> list[str]:
+    out = ["| | " + " | ".join(LABELS[k] for k in kinds) + " |", "|---|" + "---|" * len(kinds)]
     items = [("weights (vLLM: Model loading took)", "weights_gib", " GiB"),
              ("KV cache (Available KV cache memory)", "kv_cache_gib", " GiB"),
              ("KV cache size", "kv_cache_tokens", " tokens"),
@@ -200,18 +242,19 @@ def mem_table(meta: dict) -> list[str]:
              ("CUDA graphs (s, GiB)", "cuda_graphs_s_gib", ""),
              ("torch.compile", "torch_compile_s", " s"),
              ("engine init (profile, KV, warm-up)", "init_engine_s", " s"),
-             ("attention backend", "attention_backend", ""), ("vLLM", "vllm_version", "")]
+             ("attention backend", "attention_backend", ""), ("quantization (vLLM's log)", "quantization", ""),
+             ("vLLM", "vllm_version", "")]
     for label, key, unit in items:
         cells = []
-        for kind in KINDS:
+        for kind in kinds:
             v = meta.get(kind, {}).get("server_log", {}).get(key)
             cells.append("–" if v is None else (", ".join(v) if isinstance(v, list) else f"{v}{unit}"))
-        out.append(f"| {label} | {cells[0]} | {cells[1]} |")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
     for label, key in (("server start to ready", "server_start_s"), ("model prepared in", "model_s")):
-        cells = [f"{meta[k][key]} s" if key in meta.get(k, {}) else "–" for k in KINDS]
-        out.append(f"| {label} | {cells[0]} | {cells[1]} |")
-    cells = [meta.get(k, {}).get("nvidia_smi_after_start", "–") for k in KINDS]
-    out.append(f"| nvidia-smi after start (name, used, total, SM clock, power) | {cells[0]} | {cells[1]} |")
+        cells = [f"{meta[k][key]} s" if key in meta.get(k, {}) else "–" for k in kinds]
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    cells = [meta.get(k, {}).get("nvidia_smi_after_start", "–") for k in kinds]
+    out.append("| nvidia-smi after start (name, used, total, SM clock, power) | " + " | ".join(cells) + " |")
     return out
 
 
@@ -284,12 +327,19 @@ def main() -> int:
                   f"{fmt(val(b, 'mean_tpot_ms'), 2)} | {fmt(r['tpot'], 2)} | {fmt(val(e, 'mean_ttft_ms'))} | "
                   f"{fmt(val(b, 'mean_ttft_ms'))} | {fmt(r['ttft'], 2)} | {fmt(val(e, 'p99_ttft_ms'))} | "
                   f"{fmt(val(b, 'p99_ttft_ms'))} | {goal_text(g) or '–'} |")
-    md += ["", f"Goals missed: {', '.join(missed) if missed else 'none'}.", "", "## GPU memory and start-up", ""]
-    md += mem_table(meta)
+    md += ["", f"Goals missed: {', '.join(missed) if missed else 'none'}."]
+    side, peer_missed = peer_lines(rows)
+    if side:
+        md += ["", "## EXL3 beside the other formats", "",
+               "Output tok/s of every kind measured, EXL3's ratio to each (above 1 favours EXL3), and mean TTFT. "
+               "Peer goals (issue 45): at least GPTQ-Marlin at every row, at least FP8 up to c=16.", ""]
+        md += side + ["", f"Peer goals missed: {', '.join(peer_missed) if peer_missed else 'none'}."]
+    md += ["", "## GPU memory and start-up", ""]
+    md += mem_table(meta, present(rows))
     bad = [f"{k} in {r['input_len']} c={r['concurrency']}: "
            + ("skipped (time)" if r.get("skipped") else f"rc {r.get('rc')}, completed {val(r, 'completed'):.0f}, "
               f"failed {val(r, 'failed'):.0f}")
-           for k in KINDS for r in rows[k].values()
+           for k in present(rows) for r in rows[k].values()
            if r.get("skipped") or r.get("rc") != 0 or val(r, "failed") > 0]
     if bad:
         md += ["", "Incomplete rows: " + "; ".join(bad) + "."]
@@ -302,7 +352,7 @@ def main() -> int:
            "| command | carry |", "|---|---|"]
     md += [f"| `{c}` | `{k}` |" for c, k in calls]
     md += [""]
-    for kind in KINDS:
+    for kind in present(rows):
         cmds = meta.get(kind, {}).get("commands", {})
         md += [f"{kind}:", "", "```"]
         md += [f"# model\n{cmds['model']}" if "model" in cmds else "# model: –",

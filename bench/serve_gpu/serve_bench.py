@@ -1,5 +1,7 @@
 """Serving benchmark of one model kind: make the model in /tmp, start `vllm serve`, run `vllm bench serve` rows.
 
+Kinds: exl3 (our checkpoint), bf16 (the same config, `--load-format dummy`), fp8 (that, with `--quantization fp8`:
+vLLM's online FP8), gptq (that, with a 4-bit group-128 GPTQ quantization_config: vLLM runs it on Marlin).
 On the GPU machine (run_speed.sh wraps it):
     python3 bench/serve_gpu/serve_bench.py --kind exl3 --out $OUT --deadline EPOCH
     python3 bench/serve_gpu/serve_bench.py --kind bf16 --out $OUT --deadline EPOCH
@@ -41,6 +43,21 @@ LOG_PATTERNS = {
     "attention_backend": r"Using (\w+) attention backend",
     "quantization": r"quantization=(\w+)",
 }
+
+
+KINDS = ("exl3", "bf16", "fp8", "gptq")
+
+
+def gptq_config(cfg: dict) -> dict:
+    """A 4-bit, group-128, symmetric GPTQ quantization_config vLLM runs on Marlin. The linears are named: with no
+    weight files (--load-format dummy) vLLM cannot find them in the safetensors headers and would leave every layer
+    bf16 (the 2026-12-06 attempt loaded 14.96 GiB)."""
+    linears = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        linears += ["mlp.experts"]
+    return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+            "checkpoint_format": "gptq", "lm_head": False, "modules_in_block_to_quantize": [linears]}
 
 
 class Run:
@@ -113,6 +130,11 @@ class Run:
                 made["inspect"] = {k: v for k, v in json.loads(q.stdout).items() if k not in ("modules", "warnings")}
             except ValueError:
                 made["inspect_error"] = (q.stdout + q.stderr)[-500:]
+        if a.kind == "gptq":
+            cfg_file = os.path.join(model, "config.json")
+            c = json.load(open(cfg_file))
+            c["quantization_config"] = gptq_config(c)
+            json.dump(c, open(cfg_file, "w"), indent=1)
         made["model_dir_bytes"] = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model))
         self.meta.update(made)
         with open(done, "w") as f:
@@ -127,8 +149,10 @@ class Run:
             "serve", model, "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(a.port),
             "--dtype", "bfloat16", "--max-model-len", str(a.max_model_len), "--no-enable-prefix-caching",
             "--gpu-memory-utilization", str(a.gpu_mem), "--disable-uvicorn-access-log"] + shlex.split(a.serve_args)
-        if a.kind == "bf16":
+        if a.kind != "exl3":
             cmd += ["--load-format", "dummy"]
+        if a.kind == "fp8":
+            cmd += ["--quantization", "fp8"]
         self.meta["commands"]["serve"] = shlex.join(cmd)
         self.say("serve: " + shlex.join(cmd))
         self.server_log_path = os.path.join(a.out, f"{a.kind}_server.log")
@@ -314,7 +338,7 @@ def parse_rows(text: str) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kind", choices=("exl3", "bf16"), required=True)
+    ap.add_argument("--kind", choices=KINDS, required=True)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serve-out"))
     ap.add_argument("--deadline", type=float, default=0, help="epoch seconds by which everything must be written")
     ap.add_argument("--rows", type=parse_rows, default=ROWS, help="all, or IN:C[:N],... (default all)")
