@@ -8,7 +8,7 @@ fi
 source "$VKIT_ROOT/env.sh"
 export OUT=${OUT:-/tmp/serve-out}; mkdir -p "$OUT"
 # A copy of src/ plus a hand-written dist-info: vLLM finds plugins by entry point, so no pip or setuptools is needed.
-PLUG=/tmp/exl3-plugin
+PLUG=${EXL3_PLUGIN_DIR:-/tmp/exl3-plugin}  # a detached job keeps its own copy: a later call re-makes this one
 rm -rf "$PLUG" && mkdir -p "$PLUG/exl3_vllm-0.1.0.dist-info" && cp -r src/exl3_vllm "$PLUG/"
 python3 - "$PLUG/exl3_vllm-0.1.0.dist-info" <<'EOF'
 import sys, tomllib

