@@ -256,6 +256,35 @@ def test_plan_streamk_whole_waves(monkeypatch):
     assert kop.plan(256, 8192, 28672, 4, 132, codebook=2, arch=90, force="x256").stream == 0
 
 
+def test_choice_written_form_round_trips():
+    """A Choice reads and writes the form EXL3_VLLM_TIER and the tune cache hold; ':s<N>' implies fixed split-k."""
+    Choice = dispatch.Choice
+    for text, want in (("x64", Choice("x64")), ("x64:fixed", Choice("x64", True)), ("w16:s16", Choice("w16", True, 16)),
+                       ("dequant", Choice("dequant"))):
+        assert Choice.parse(text) == want and str(want) == text
+    assert Choice.parse("h8:fixed:s4") == Choice("h8", True, 4)
+    with pytest.raises(kop.KernelError, match="not one of"):
+        Choice.parse("zz")
+    # A plan forced by a Choice equals the plan forced by its written form.
+    assert kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90, force=Choice("w16", True, 16)) == \
+        kop.plan(1, 4096, 4096, 4, 132, codebook=1, arch=90, force="w16:s16")
+
+
+def test_tier_table_refuses_a_stream_flag_its_kernels_do_not_build(monkeypatch):
+    """The few-row and warp-specialised macros always build a stream-k twin and the mma.sync ones never do: a table
+    entry that says otherwise would dispatch a kernel that does not exist (or miss one that does)."""
+    import dataclasses
+
+    from exl3_vllm.kernels import variants
+    monkeypatch.setitem(variants.TIERS, "m16", dataclasses.replace(variants.TIERS["m16"], stream=True))
+    with pytest.raises(ValueError, match="m16"):
+        variants.tier_instantiations()
+    monkeypatch.setitem(variants.TIERS, "m16", dataclasses.replace(variants.TIERS["m16"], stream=False))
+    monkeypatch.setitem(variants.TIERS, "h8", dataclasses.replace(variants.TIERS["h8"], stream=False))
+    with pytest.raises(ValueError, match="h8"):
+        variants.tier_instantiations()
+
+
 def test_plan_split_suffix_and_split_candidates():
     """'<tier>:s<N>' runs fixed split-k over N splits; the dispatch times its two best tiers at half and twice their
     static factor and at the factors that fill whole waves."""
