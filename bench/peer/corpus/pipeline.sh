@@ -16,7 +16,7 @@ exec > >(tee -a $C/log.txt) 2>&1
 T0=$(date +%s)
 stamp() { echo "[pipeline] $* (t+$(( $(date +%s) - T0 ))s)"; }
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 TORCH_EXTENSIONS_DIR=$C/ext
-for V in EXT_XZ EXT_SO; do [ -n "${!V:-}" ] && declare $V="$(realpath "${!V}")"; done  # before the cd below
+for V in EXT_XZ EXT_SO NVRTC_TAR; do [ -n "${!V:-}" ] && declare $V="$(realpath "${!V}")"; done  # before the cd below
 # A private copy of what it runs: later device calls lay the working tree out anew under this process.
 mkdir -p $C/tree/.peer/src $C/tree/tests/data && cp -r bench src .whl $C/tree/ && cp -r tests/data/corpus $C/tree/tests/data/ \
   && cp -r .peer/src/exllamav3 $C/tree/.peer/src/ \
@@ -34,6 +34,13 @@ if [ -n "${EXT_SO:-}" ]; then
 fi
 stamp "start set=${SET:-sample} git=$(git rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+# NVRTC_TAR: our kernels compiled here beforehand (precompile.sh): the compile below then only reads the cache, so
+# it runs at once instead of after the build.
+if [ -n "${NVRTC_TAR:-}" ]; then
+  mkdir -p /tmp/exl3cache && tar -C /tmp/exl3cache -xJf "$NVRTC_TAR" && stamp "NVRTC cache unpacked"
+  ( XDG_CACHE_HOME=/tmp/exl3cache python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 --jobs 12 \
+    > $C/nvrtc.log 2>&1; touch $C/NVRTC_DONE; stamp "NVRTC compiled ($(tail -n 1 $C/nvrtc.log))" ) &
+fi
 # FIXTURES=committed (default): the CI fixtures in tests/data/corpus join the gate as they are, instead of being
 # converted again (their two embedding quantizations hold the GPU for minutes); their source models are not
 # retrained, so they have no unquantized reference. FIXTURES=convert makes new ones (then copy them into tests/).
@@ -63,8 +70,8 @@ stamp "built"
 # Our kernels for the gate, compiled once here (the cache the kit's engines read, device_env.sh): engines that
 # start before it is done would each compile the same modules at load. After the extension's build, not beside it:
 # there, starved of CPU, it finished 400 s after the build and held the engines back.
-( XDG_CACHE_HOME=/tmp/exl3cache nice -n 5 python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 \
-  --jobs 12 > $C/nvrtc.log 2>&1; touch $C/NVRTC_DONE; stamp "NVRTC compiled" ) &
+[ -z "${NVRTC_TAR:-}" ] && ( XDG_CACHE_HOME=/tmp/exl3cache nice -n 5 python3 -m exl3_vllm.kernels.cli kernels \
+  --compile-only --arch sm_90 --jobs 12 > $C/nvrtc.log 2>&1; touch $C/NVRTC_DONE; stamp "NVRTC compiled" ) &
 # Convert every job of the set (those that quantize the embedding first: they hold the GPU longest). exllamav3's
 # reference forward follows each checkpoint as it lands, so the engines (gate.sh) start while the rest convert.
 python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} $SKIP --jobs ${JOBS:-5} \
