@@ -56,11 +56,16 @@ def dtype_logits(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def floors(ckpt: str, ids: torch.Tensor, device: str = "cpu") -> dict[str, dict]:
-    """The floor of each gate dtype for this checkpoint: float16 against float32, bfloat16 against float16."""
+def dense_logits(ckpt: str, ids: torch.Tensor, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The checkpoint's dense reconstruction run over ids in float32, float16 and bfloat16 (logits on the CPU)."""
     model, _ = dense_model(ckpt)
     logits = dtype_logits(model.to(device), ids.view(1, -1).to(device))
     del model
+    return logits
+
+
+def floors(logits: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """One engine's own dtype floors: float16 against float32, bfloat16 against float16."""
     return {"float16": compare(logits["float32"], logits["float16"]),
             "bfloat16": compare(logits["float16"], logits["bfloat16"])}
 
