@@ -208,6 +208,15 @@ def _driver():
     return driver
 
 
+def driver_version() -> str:
+    """The CUDA driver's version number as a string, "na" when it cannot be read (a key part, not a check)."""
+    try:
+        err, v = _driver().cuDriverGetVersion()
+        return str(v) if int(err) == 0 else "na"
+    except Exception:  # noqa: BLE001 - a key without the driver only re-times more often
+        return "na"
+
+
 def _ensure_context(device_index: int):
     import torch
     drv = _driver()

@@ -75,13 +75,8 @@ def tier_set_tag() -> str:
 
 def device_key(index: int) -> str:
     from .. import __version__
-    from .nvrtc import _driver
     props = torch.cuda.get_device_properties(index)
-    try:
-        err, drv = _driver().cuDriverGetVersion()
-        drv = drv if int(err) == 0 else "na"
-    except Exception:  # noqa: BLE001 - a key without the driver only re-times more often
-        drv = "na"
+    drv = nvrtc.driver_version()
     nv = ".".join(str(v) for v in nvrtc_version())
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{props.name}-sm{props.major}{props.minor}-drv{drv}-"
                                             f"cuda{torch.version.cuda}-nvrtc{nv}-exl3vllm{__version__}-"
