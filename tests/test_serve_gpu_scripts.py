@@ -59,6 +59,11 @@ def test_report_ratios_and_goals(tmp_path, monkeypatch):
     assert "Peer goals missed: in 1024 c=1: EXL3 / fp8 0.94x < 1." in md
     csv = (tmp_path / "out" / "2099-01-02-serve-h200.csv").read_text().splitlines()
     assert len(csv) == 3 and csv[1].startswith("1024,256,1,8,1025,")
+    monkeypatch.setattr(sys, "argv", ["report.py", "--dir", str(tmp_path), "--out-dir", str(tmp_path / "moe"),
+                                      "--commit", "abc", "--preset", "qwen3-30b-a3b"])
+    assert report.main() == 0  # the MoE shape's goal: at least bf16's tok/s at every concurrency, no TTFT goal
+    moe = (tmp_path / "moe" / "2099-01-02-serve-h200.md").read_text()
+    assert "out tok/s 1.70x ≥1: met" in moe and "TTFT" not in moe.split("Goals missed")[1].split("\n")[0]
     head = csv[0].split(",")
     assert "gptq_output_throughput" in head and "ratio_output_tok_s_vs_fp8" in head
     assert csv[2].split(",")[head.index("ratio_output_tok_s_vs_gptq")] == f"{300 / 280:.4g}"
