@@ -130,6 +130,11 @@ class Exl3Config(QuantizationConfig):
                 return Exl3EmbeddingMethod(self, prefix, spec)
             return None
         if isinstance(layer, (LinearBase, ParallelLMHead)):
+            sliced = self.sliced_specs(prefix)
+            if sliced is not None:
+                from .linear_method import SlicedExl3LinearMethod
+
+                return SlicedExl3LinearMethod(self, prefix, sliced)
             specs = self.specs_for(prefix)
             kinds = {type(s).__name__ for _, s in specs if s is not None}
             if "EmbeddingSpec" in kinds:
@@ -178,6 +183,23 @@ class Exl3Config(QuantizationConfig):
         """(key, spec) of every checkpoint module under a RoutedExperts prefix (experts.{e}.<proj>)."""
         want = canonical(prefix) + "."
         return [(k, s) for k, s in self.checkpoint.modules.items() if canonical(k).startswith(want)]
+
+    def sliced_specs(self, prefix: str) -> list[list[Exl3Spec]] | None:
+        """For a layer whose shards exllamav3 stored as `.slice.N` modules: per slice, the spec of each shard; None
+        for an unsliced layer."""
+        shards = self.resolver.shards(prefix)
+        if not any(len(keys) > 1 for _, keys in shards):
+            return None
+        if len({len(keys) for _, keys in shards}) != 1:
+            raise Exl3FormatError(f"vLLM fuses {[n for n, _ in shards]} into {prefix!r}, but the checkpoint slices "
+                                  f"them differently ({[len(keys) for _, keys in shards]} slices)",
+                                  file=self.checkpoint.path, tensor=prefix, fix="re-convert the model")
+        slices = [[self.checkpoint.modules[keys[s]] for _, keys in shards] for s in range(len(shards[0][1]))]
+        bad = [sp.key for sl in slices for sp in sl if not isinstance(sp, Exl3Spec)]
+        if bad:
+            raise Exl3FormatError(f"{prefix!r} is stored as slices, some of them not EXL3 ({bad[0]})",
+                                  file=self.checkpoint.path, tensor=bad[0], fix="re-convert the model")
+        return slices
 
     def specs_for(self, prefix: str) -> list[tuple[str, Exl3Spec | DenseSpec | None]]:
         """The checkpoint module of each shard of a vLLM layer (None where there is none)."""

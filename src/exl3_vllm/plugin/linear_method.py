@@ -254,3 +254,63 @@ class Exl3LinearMethod(LinearMethodBase):
     def embedding(self, layer, *args, **kwargs):
         raise Exl3FormatError(f"{self.prefix}: an EXL3 head cannot double as the token embedding",
                               fix="the checkpoint must not tie word embeddings")
+
+
+class SlicedExl3LinearMethod(LinearMethodBase):
+    """An MLP projection exllamav3 stored as `.slice.N` modules along the intermediate size (it slices MLPs wider
+    than 55,296). Each slice is an Exl3LinearMethod on the child module `slice.N`, so vLLM's weight names
+    (`<layer>.slice.N.<tensor>`, shard ids as for the unsliced layer) reach its loaders; gate/up slices' columns are
+    put back in order, down's partial products are summed in fp32."""
+
+    def __init__(self, config, prefix: str, slices: list[list[Exl3Spec]]):
+        self.config = config
+        self.prefix = prefix
+        self.methods = [Exl3LinearMethod(config, f"{prefix}.slice.{s}", specs) for s, specs in enumerate(slices)]
+        self.slices = slices
+        self.row = False
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        self.row = _kind(layer) == "row"
+        if getattr(layer, "tp_size", 1) > 1:
+            raise Exl3FormatError(f"{self.prefix} is stored as {len(self.slices)} slices ({self.slices[0][0].key}, "
+                                  "...), which this version joins at tensor_parallel_size 1 only",
+                                  file=self.config.checkpoint.path, tensor=self.slices[0][0].key,
+                                  fix="serve it with tensor_parallel_size 1")
+        widths = [s[0].k if self.row else s[0].n for s in self.slices]
+        want = input_size if self.row else output_partition_sizes[0]
+        if sum(widths) != want or any(sp.n != s[0].n or sp.k != s[0].k for s in self.slices for sp in s):
+            raise Exl3FormatError(f"{self.prefix}: its slices are {widths} wide ({len(self.slices[0])} shards each), "
+                                  f"but vLLM's layer needs {want} in all", file=self.config.checkpoint.path,
+                                  tensor=self.slices[0][0].key, fix="the checkpoint does not belong to this model config")
+        holders = torch.nn.Module()
+        for s, (method, w) in enumerate(zip(self.methods, widths)):
+            h = torch.nn.Module()
+            if self.row:
+                method.create_weights(h, w, output_partition_sizes, w, output_size, params_dtype, **extra_weight_attrs)
+            else:
+                parts = [w] * len(output_partition_sizes)
+                method.create_weights(h, input_size_per_partition, parts, input_size, sum(parts), params_dtype,
+                                      **extra_weight_attrs)
+            holders.add_module(str(s), h)
+        layer.add_module("slice", holders)
+
+    def process_weights_after_loading(self, layer) -> None:
+        for s, method in enumerate(self.methods):
+            method.process_weights_after_loading(getattr(layer.slice, str(s)))
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        holders = [getattr(layer.slice, str(s)) for s in range(len(self.methods))]
+        if self.row:
+            y, k0 = None, 0
+            for method, h, specs in zip(self.methods, holders, self.slices):
+                part = method.apply(h, x[..., k0:k0 + specs[0].k]).float()
+                y = part if y is None else y + part
+                k0 += specs[0].k
+            y = y.to(x.dtype)
+        else:
+            outs = [m.apply(h, x) for m, h in zip(self.methods, holders)]
+            shards = len(self.slices[0])
+            y = torch.cat([o[..., j * sp[0].n:(j + 1) * sp[0].n] for j in range(shards)
+                           for o, sp in zip(outs, self.slices)], dim=-1)
+        return y if bias is None else y + bias

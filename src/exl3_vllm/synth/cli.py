@@ -21,6 +21,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--head-bits", default="6", help="bits of lm_head, 16 = unquantized fp16 (default 6)")
     p.add_argument("--embed-bits", default="16", help="bits of the token embedding table, 1..8 (exllamav3's "
                                                      "--embed_bits), 16 = unquantized (default)")
+    p.add_argument("--mlp-slices", default="1", help="store each dense MLP's gate/up/down as this many .slice.N "
+                                                     "modules, as exllamav3 does for intermediate sizes over 55296")
     p.add_argument("--bits-map", metavar="FILE",
                    help='JSON {"module glob": bits | {"bits": b, "codebook": c}}, first match wins')
     p.add_argument("--seed", default="0", help="random seed (default 0); the same seed gives identical files")
@@ -76,7 +78,8 @@ def main(args) -> int:
             shard = mb * 1024 ** 2
         if args.dry_run:
             _print_plan(plan(args.config, bits=args.bits, codebook=args.codebook, head_bits=args.head_bits,
-                             bits_map=args.bits_map, embed_bits=args.embed_bits))
+                             bits_map=args.bits_map, embed_bits=args.embed_bits,
+                             mlp_slices=_int_arg(args.mlp_slices, "--mlp-slices")))
             return 0
         if not args.out:
             raise Exl3FormatError("--out DIR is required (or pass --dry-run)")
@@ -85,7 +88,8 @@ def main(args) -> int:
             return 0
         synthesize(args.config, args.out, bits=args.bits, codebook=args.codebook, head_bits=args.head_bits,
                    bits_map=args.bits_map, seed=seed, embed_bits=args.embed_bits, also_dense=args.also_dense, dense_dtype=args.dense_dtype,
-                   shard_bytes=shard, overwrite=args.overwrite, log=print)
+                   shard_bytes=shard, overwrite=args.overwrite, log=print,
+                   mlp_slices=_int_arg(args.mlp_slices, "--mlp-slices"))
     except Exl3FormatError as e:
         print(f"exl3-vllm synth: error: {e}", file=sys.stderr)
         return 2

@@ -322,9 +322,19 @@ def _embedding_module(key: str, vocab: int, hidden: int, bits: int) -> ModulePla
     return m
 
 
+def slice_widths(inter: int, slices: int) -> list[int]:
+    """How exllamav3 splits a wide MLP's intermediate size into slices: equal multiples of 128, the last takes the
+    rest (it slices only above 55,296; synth's mlp_slices asks for it on any size)."""
+    each = inter // slices // 128 * 128
+    return [each] * (slices - 1) + [inter - each * (slices - 1)]
+
+
 def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_map=None,
-         embed_bits=16) -> Plan:
-    """Every module of the synthetic checkpoint with shapes, bits and codebook; writes nothing."""
+         embed_bits=16, mlp_slices: int = 1) -> Plan:
+    """Every module of the synthetic checkpoint with shapes, bits and codebook; writes nothing.
+
+    mlp_slices > 1: each dense MLP's gate/up/down stored as that many `.slice.N` modules along the intermediate
+    size, as exllamav3 stores MLPs wider than 55,296."""
     config = load_config(config_or_preset)
     if isinstance(config.get("text_config"), dict):
         raise Exl3FormatError("configs with a nested text_config (multimodal models) are not supported",
@@ -340,6 +350,8 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
     if head_bits != 16:
         _check_half(head_bits, codebook, "--head-bits")
     rules = load_bits_map(bits_map)
+    if isinstance(mlp_slices, bool) or not isinstance(mlp_slices, int) or mlp_slices < 1:
+        raise Exl3FormatError(f"mlp_slices must be a positive integer, got {mlp_slices!r}")
     hidden = _int(config, "hidden_size")
     vocab = _int(config, "vocab_size")
     layers = _int(config, "num_hidden_layers")
@@ -363,6 +375,16 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
                 modules.append(_dense_module(*item[1:]))
             else:
                 _, key, k_in, n_out, bias, role = item
+                proj = key.rsplit(".", 1)[-1]
+                if mlp_slices > 1 and role == "mlp" and proj in ("gate_proj", "up_proj", "down_proj"):
+                    widths = slice_widths(n_out if proj != "down_proj" else k_in, mlp_slices)
+                    if bias or min(widths) < HAD:
+                        raise Exl3FormatError(f"{key}: cannot slice into {mlp_slices} (bias, or slices under "
+                                              f"{HAD} wide)", fix="fewer slices")
+                    for j, w in enumerate(widths):
+                        kk, nn = (k_in, w) if proj != "down_proj" else (w, n_out)
+                        modules.append(_exl3_module(f"{key}.slice.{j}", kk, nn, False, role, *choose(key)))
+                    continue
                 modules.append(_exl3_module(key, k_in, n_out, bias, role, *choose(key)))
     modules.append(_dense_module("model.norm", (hidden,), "norm"))
     if head_bits == 16:

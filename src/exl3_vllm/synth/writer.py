@@ -138,6 +138,9 @@ def _quant_groups(p: Plan, seed: int) -> list[list[Entry]]:
     return [[Entry(t.name, t.dtype, t.shape, producer(t)) for t in m.tensors] for m in p.modules]
 
 
+_SLICE = re.compile(r"(.*)\.slice\.(\d+)\.weight$")
+
+
 def _dense_groups(p: Plan, seed: int, dense_dtype: str) -> list[list[Entry]]:
     st_dtype, torch_dtype = DENSE_DTYPES[dense_dtype]
     groups = []
@@ -175,12 +178,39 @@ def _dense_groups(p: Plan, seed: int, dense_dtype: str) -> list[list[Entry]]:
         if m.bias:
             group.append(Entry(f"{m.key}.bias", "F16", (m.out_features,), bias))
         groups.append(group)
-    return groups
+    return _join_slices(groups, torch_dtype)
+
+
+def _join_slices(groups: list[list[Entry]], torch_dtype) -> list[list[Entry]]:
+    """The dense twin of a sliced MLP is the plain HF module: `<key>.slice.N.weight` joined along the intermediate
+    size (the output rows of gate / up, the input columns of down)."""
+    out, sliced = [], {}
+    for g in groups:
+        m = _SLICE.match(g[0].name)
+        if m is None:
+            out.append(g)
+            continue
+        if m.group(1) not in sliced:
+            sliced[m.group(1)] = []
+            out.append(sliced[m.group(1)])  # filled below, in place
+        sliced[m.group(1)].append(g[0])
+    for key, holder in sliced.items():
+        parts = list(holder)
+        dim = 1 if key.endswith("down_proj") else 0
+        shape = list(parts[0].shape)
+        shape[dim] = sum(e.shape[dim] for e in parts)
+
+        def joined(parts=parts, dim=dim):
+            ws = [torch.from_numpy(np.concatenate(list(e.produce()))).view(torch_dtype).view(e.shape) for e in parts]
+            yield torch.cat(ws, dim).contiguous().view(torch.uint8).numpy()
+
+        holder[:] = [Entry(f"{key}.weight", parts[0].dtype, tuple(shape), joined)]
+    return out
 
 
 def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head_bits=6, bits_map=None,
                seed: int = 0, embed_bits=16, also_dense=None, dense_dtype: str = "bfloat16", *, shard_bytes: int | None = None,
-               overwrite: bool = False, log: Callable[[str], None] | None = None) -> str:
+               overwrite: bool = False, log: Callable[[str], None] | None = None, mlp_slices: int = 1) -> str:
     """Write a synthetic EXL3 checkpoint (and optionally its dense twin); returns the absolute out_dir.
 
     config_or_preset: a preset name (see PRESETS), an HF config.json path (or its directory) or a dict.
@@ -188,7 +218,7 @@ def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head
     """
     t0 = time.time()
     p = plan(config_or_preset, bits=bits, codebook=codebook, head_bits=head_bits, bits_map=bits_map,
-             embed_bits=embed_bits)
+             embed_bits=embed_bits, mlp_slices=mlp_slices)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise Exl3FormatError(f"seed must be a non-negative integer, got {seed!r}")
     if dense_dtype not in DENSE_DTYPES:
