@@ -50,10 +50,13 @@ class LinearState:
 class Exl3LinearMethod(LinearMethodBase):
     """One (possibly fused) EXL3 linear; shards of different K or codebook run as separate groups."""
 
-    def __init__(self, config, prefix: str, specs: list[Exl3Spec]):
+    def __init__(self, config, prefix: str, specs: list[Exl3Spec], window: tuple[int, int, int, int] | None = None):
+        """window: (first input row, rows, first output column, columns) of every shard to take, instead of what
+        the layer's tensor-parallel rank implies (a sliced layer's piece on one rank)."""
         self.config = config
         self.prefix = prefix
         self.specs = specs
+        self.window = window
         if len({s.legacy_signs for s in specs}) > 1:
             raise Exl3FormatError(
                 f"vLLM fuses {[x.key for x in specs]} into one layer, but only some of them store legacy su/sv "
@@ -76,7 +79,10 @@ class Exl3LinearMethod(LinearMethodBase):
         plan = []  # per shard: (ckpt column tile offset, param column offset, width, logical width)
         col = 0
         for i, (spec, part) in enumerate(zip(self.specs, output_partition_sizes)):
-            if kind == "row":
+            if self.window is not None:
+                logical_k = self.window[1]
+                width, start = self.window[3], self.window[2]
+            elif kind == "row":
                 logical_k = input_size
                 width, start = spec.n, 0
                 if spec.n < part or spec.n - part >= HAD:
@@ -100,7 +106,9 @@ class Exl3LinearMethod(LinearMethodBase):
                         raise self._shape_error(spec, f"n={spec.n}", f"{start + width} at rank {tp_rank}")
             plan.append((start, col, width, min(part, width)))
             col += width
-        if kind == "row":
+        if self.window is not None:
+            k_param, k_start = self.window[1], self.window[0]
+        elif kind == "row":
             if input_size_per_partition % HAD:
                 raise Exl3FormatError(
                     f"{self.prefix}: {input_size_per_partition} input rows per rank at "
@@ -112,8 +120,11 @@ class Exl3LinearMethod(LinearMethodBase):
         else:
             k_param, k_start = self.specs[0].k, 0
         for spec in self.specs:
-            if spec.k < logical_k or spec.k - logical_k >= HAD or (kind == "row" and tp_size > 1
-                                                                    and spec.k != input_size):
+            if self.window is not None:
+                if self.window[0] + self.window[1] > spec.k or self.window[2] + self.window[3] > spec.n:
+                    raise self._shape_error(spec, f"k={spec.k}, n={spec.n}", f"the window {self.window}")
+            elif spec.k < logical_k or spec.k - logical_k >= HAD or (kind == "row" and tp_size > 1
+                                                                      and spec.k != input_size):
                 raise self._shape_error(spec, f"k={spec.k}", f"{logical_k}")
         n_total = col
         nshard = len(self.specs)
@@ -258,59 +269,80 @@ class Exl3LinearMethod(LinearMethodBase):
 
 class SlicedExl3LinearMethod(LinearMethodBase):
     """An MLP projection exllamav3 stored as `.slice.N` modules along the intermediate size (it slices MLPs wider
-    than 55,296). Each slice is an Exl3LinearMethod on the child module `slice.N`, so vLLM's weight names
-    (`<layer>.slice.N.<tensor>`, shard ids as for the unsliced layer) reach its loaders; gate/up slices' columns are
-    put back in order, down's partial products are summed in fp32."""
+    than 55,296). Each slice this rank touches is an Exl3LinearMethod on the child module `slice.N` over its part of
+    the slice (vLLM's weight names `<layer>.slice.N.<tensor>`, with the unsliced layer's shard ids, reach its
+    loaders); gate/up pieces' columns are put back in order, down's partial products are summed in fp32 (vLLM then
+    reduces across ranks)."""
 
     def __init__(self, config, prefix: str, slices: list[list[Exl3Spec]]):
         self.config = config
         self.prefix = prefix
-        self.methods = [Exl3LinearMethod(config, f"{prefix}.slice.{s}", specs) for s, specs in enumerate(slices)]
         self.slices = slices
         self.row = False
+        biased = [sp.key for sl in slices for sp in sl if sp.has_bias]
+        if biased:  # vLLM's loaders would drop `<layer>.slice.N.bias` without a word
+            raise Exl3FormatError(f"{prefix} is stored as slices with biases ({biased[0]}), which this version "
+                                  "does not join", file=config.checkpoint.path, tensor=f"{biased[0]}.bias",
+                                  fix="serve it with exllamav3")
+        self.pieces: list[tuple[int, int, int, Exl3LinearMethod]] = []  # (slice, local start, width, method)
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         self.row = _kind(layer) == "row"
-        if getattr(layer, "tp_size", 1) > 1:
-            raise Exl3FormatError(f"{self.prefix} is stored as {len(self.slices)} slices ({self.slices[0][0].key}, "
-                                  "...), which this version joins at tensor_parallel_size 1 only",
-                                  file=self.config.checkpoint.path, tensor=self.slices[0][0].key,
-                                  fix="serve it with tensor_parallel_size 1")
+        tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
         widths = [s[0].k if self.row else s[0].n for s in self.slices]
-        want = input_size if self.row else output_partition_sizes[0]
-        if sum(widths) != want or any(sp.n != s[0].n or sp.k != s[0].k for s in self.slices for sp in s):
+        local = input_size_per_partition if self.row else output_partition_sizes[0]
+        if sum(widths) != local * tp_size or any(sp.n != s[0].n or sp.k != s[0].k for s in self.slices for sp in s):
             raise Exl3FormatError(f"{self.prefix}: its slices are {widths} wide ({len(self.slices[0])} shards each), "
-                                  f"but vLLM's layer needs {want} in all", file=self.config.checkpoint.path,
+                                  f"but vLLM's layer needs {local * tp_size} in all", file=self.config.checkpoint.path,
                                   tensor=self.slices[0][0].key, fix="the checkpoint does not belong to this model config")
-        holders = torch.nn.Module()
-        for s, (method, w) in enumerate(zip(self.methods, widths)):
-            h = torch.nn.Module()
-            if self.row:
-                method.create_weights(h, w, output_partition_sizes, w, output_size, params_dtype, **extra_weight_attrs)
-            else:
-                parts = [w] * len(output_partition_sizes)
-                method.create_weights(h, input_size_per_partition, parts, input_size, sum(parts), params_dtype,
-                                      **extra_weight_attrs)
-            holders.add_module(str(s), h)
+        if local % HAD:
+            raise Exl3FormatError(f"{self.prefix}: {local} intermediate rows per rank at tensor_parallel_size="
+                                  f"{tp_size}; EXL3 can only split on multiples of 128", file=self.config.checkpoint.path,
+                                  tensor=self.slices[0][0].key, fix=f"use {tp_hint(local * tp_size, tp_size)}")
+        lo, hi = tp_rank * local, (tp_rank + 1) * local
+        holders, a = torch.nn.Module(), 0
+        for s, (specs, w) in enumerate(zip(self.slices, widths)):
+            p0, p1 = max(a, lo), min(a + w, hi)
+            if p0 < p1:  # this rank's part of slice s: its rows (down) or columns (gate / up)
+                sp = specs[0]
+                window = (p0 - a, p1 - p0, 0, sp.n) if self.row else (0, sp.k, p0 - a, p1 - p0)
+                method = Exl3LinearMethod(self.config, f"{self.prefix}.slice.{s}", specs, window)
+                h = torch.nn.Module()
+                parts = output_partition_sizes if self.row else [p1 - p0] * len(specs)
+                method.create_weights(h, window[1], parts, window[1], sum(parts), params_dtype, **extra_weight_attrs)
+                holders.add_module(str(s), h)
+                self.pieces.append((s, p0 - lo, p1 - p0, method))
+            else:  # another rank's slice: its tensors still arrive here, and are dropped
+                holders.add_module(str(s), self._sink(specs))
+            a += w
         layer.add_module("slice", holders)
 
+    @staticmethod
+    def _sink(specs: list[Exl3Spec]) -> torch.nn.Module:
+        h = torch.nn.Module()
+        names = {"su", "sv"} if specs[0].legacy_signs else {"suh", "svh"}
+        names |= {"trellis"}
+        names |= {sp.codebook for sp in specs} - {"3inst"}
+        for name in sorted(names):
+            p = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+            set_weight_attrs(p, {"weight_loader": lambda *args, **kwargs: None})
+            h.register_parameter(name, p)
+        return h
+
     def process_weights_after_loading(self, layer) -> None:
-        for s, method in enumerate(self.methods):
+        for s, _, _, method in self.pieces:
             method.process_weights_after_loading(getattr(layer.slice, str(s)))
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        holders = [getattr(layer.slice, str(s)) for s in range(len(self.methods))]
+        outs = [(m.apply(getattr(layer.slice, str(s)), x[..., k0:k0 + w] if self.row else x), w)
+                for s, k0, w, m in self.pieces]
         if self.row:
-            y, k0 = None, 0
-            for method, h, specs in zip(self.methods, holders, self.slices):
-                part = method.apply(h, x[..., k0:k0 + specs[0].k]).float()
-                y = part if y is None else y + part
-                k0 += specs[0].k
+            y = outs[0][0].float()
+            for o, _ in outs[1:]:
+                y = y + o.float()
             y = y.to(x.dtype)
         else:
-            outs = [m.apply(h, x) for m, h in zip(self.methods, holders)]
             shards = len(self.slices[0])
-            y = torch.cat([o[..., j * sp[0].n:(j + 1) * sp[0].n] for j in range(shards)
-                           for o, sp in zip(outs, self.slices)], dim=-1)
+            y = torch.cat([o[..., j * w:(j + 1) * w] for j in range(shards) for o, w in outs], dim=-1)
         return y if bias is None else y + bias
