@@ -185,6 +185,7 @@ def main() -> int:
     ap.add_argument("--summary", metavar="JSON", help="with --recompare: also write the summary there")
     ap.add_argument("--moe", action="store_true", help="a small mixed-bits Qwen3-MoE instead of the dense Qwen3")
     ap.add_argument("--checkpoint", metavar="DIR", help="this EXL3 checkpoint instead of a synthetic one")
+    ap.add_argument("--mlp-slices", type=int, default=1, help="the synthetic model's MLPs stored as N .slice.N modules")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args()
     if a.child:
@@ -212,7 +213,7 @@ def main() -> int:
 
         config, bits_map = (MOE_CONFIG, MOE_BITS_MAP) if a.moe else (CONFIG, BITS_MAP)
         synthesize(config, a.model, bits=4, head_bits=HEAD_BITS, bits_map=bits_map, seed=11, overwrite=True,
-                   log=print)
+                   log=print, mlp_slices=a.mlp_slices)
     raw = {"tokens": a.tokens, "eager": a.eager, "dtype": a.dtype, "model": a.model, "config": config,
            "bits_map": bits_map, "env": env_facts(),
            "results": {},
