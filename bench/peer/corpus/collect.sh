@@ -16,7 +16,7 @@ done
 cp $C/log.txt "$OUT/log.txt" 2>/dev/null
 tail -n 40 $C/log.txt
 ( cd $C && tar -cf "$OUT/results.tar" exl3/convert.json exl3/*.log* ref/ex3.json ref/gate.json gate/gate_runs.json \
-  gate/*.log gate.log train.log build.log ex3.log convert.log nvrtc.log pytest-gpu.log gputests stress/summary.json stress/progress.json stress/stress.log stress/server.log exactness hf/*/train.json hf/*/config.json \
+  gate/*.log gate.log train.log build.log ex3.log convert.log nvrtc.log pytest-gpu.log gputests stress/summary.json stress/progress.json stress/stress.log stress/server.log exactness exactness-sliced hf/*/train.json hf/*/config.json \
   2>/dev/null )
 [ -d $C/fixture ] && tar -C $C -cf "$OUT/fixture.tar" fixture $(cd $C && ls -d exl3/${FIXTURE_CKPTS:-llama-recipe-eb4} \
   exl3/qwen3-moe-recipe-eb3 2>/dev/null)
