@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from exllamav3 import Config, Model
+    from ex3_slicing import use_split_of
 
     ex3 = {r["name"]: r for r in json.load(open(os.path.join(a.ref, "ex3.json")))}
     runs = json.load(open(os.path.join(a.gate, "gate_runs.json")))
@@ -121,6 +122,7 @@ def main() -> None:
             kl, top1 = kl_rows(ref[:-1], lp, worst)
             kl_hf, top1_hf = kl_rows(hf[:-1], lp) if hf is not None else (None, None)
             if model is None:
+                use_split_of(os.path.join(a.corpus, name))
                 model = Model.from_config(Config.from_directory(os.path.join(a.corpus, name)))
                 model.load(device="cuda:0")
             g = greedy_check(model, got["greedy"], vocab, TIE[run["dtype"]])

@@ -28,7 +28,8 @@ RECIPE_MOE = {"target_bpw": 3.0, "head_bits": 4, "tensors": {
     "*.q_proj": 3, "*.k_proj": 4, "*.v_proj": 4, "*.o_proj": 3, "*.experts.*.gate_proj": 3,
     "*.experts.*.up_proj": 3, "*.experts.*.down_proj": 2.5}}
 
-# name: (model, converter arguments | ("recipe", dict, extra args) | ("optimize", [inputs], bits), sets)
+# name: (model, converter arguments | ("recipe", dict, extra args) | ("optimize", [inputs], bits)
+#        | ("sliced", MLP slicing bound, converter arguments), sets)
 JOBS = {
     # CI fixtures (tests/data/corpus): two-layer models, mixed-K fused shards, quantized embeddings.
     "llama-recipe-eb4": ("llama-2l", ("recipe", RECIPE_DENSE, ["-eb", "4"]), "fixture sample gate full"),
@@ -56,6 +57,8 @@ JOBS = {
     # Measure + optimize between two models of one codebook (exllamav3's optimizer reads every input with the
     # first one's tensor names, so it cannot mix codebooks): shards of one fused layer may differ in K.
     "llama-opt3.5": ("llama", ("optimize", ["llama-b3", "llama-b4"], 3.5), "gate full"),
+    # A sliced MLP (.slice.N modules), as the converter writes MLPs wider than 55,296: here with the bound at 256.
+    "llama-b4-sl2": ("llama", ("sliced", 256, ["-b", "4"]), "gate full"),
     # Tied source embeddings (the converter unties and quantizes a separate head).
     "llama-tied-b4": ("llama-tied", ["-b", "4"], "gate sample full"),
     "llama-tied-b3.5-eb4": ("llama-tied", ["-b", "3.5", "-eb", "4"], "full"),
@@ -88,6 +91,9 @@ def convert(name: str, hf: str, out: str, work: str) -> dict:
     base = EXL + ["exllamav3.conversion.convert_model", "-i", os.path.join(hf, model), "-o", dst, "-w", wd, "-d", "0"]
     if isinstance(spec, list):
         cmd = base + spec
+    elif spec[0] == "sliced":  # the converter with exllamav3's MLP slicing bound lowered (ex3_slicing.py)
+        cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ex3_slicing.py"),
+               str(spec[1])] + base[2:] + spec[2]
     elif spec[0] == "recipe":
         import yaml
 

@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--fixture-names", default="llama-recipe-eb4,qwen3-moe-recipe-eb3")
     args = ap.parse_args()
     from exllamav3 import Config, Model
+    from ex3_slicing import use_split_of
 
     os.makedirs(args.out, exist_ok=True)
     ids = heldout_ids(args.hf, args.tokens, args.out)
@@ -116,6 +117,7 @@ def main() -> None:
                 refs[model_name] = hf_logits(os.path.join(args.hf, model_name), ids)
                 torch.save({"logits": refs[model_name]}, hf_path + ".tmp")
                 os.replace(hf_path + ".tmp", hf_path)
+            use_split_of(d)
             cfg = Config.from_directory(d)
             model = Model.from_config(cfg)
             model.load(device="cuda:0")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import torch
 from safetensors import safe_open
@@ -41,6 +42,13 @@ def dense_model(path: str):
                                               cfg["hidden_size"]).float()
         elif isinstance(spec, DenseSpec):
             sd[f"{key}.weight"] = ck.tensor(f"{key}.weight").float()
+    # Sliced MLPs (`.slice.N`, exllamav3's MLPs over its width bound) joined back: gate / up along their outputs,
+    # down along its inputs.
+    sliced = sorted({m.group(1) for k in sd if (m := re.match(r"(.*)\.slice\.\d+\.weight$", k))})
+    for key in sliced:
+        parts = sorted((k for k in sd if re.match(re.escape(key) + r"\.slice\.\d+\.weight$", k)),
+                       key=lambda k: int(k.rsplit(".", 2)[1]))
+        sd[f"{key}.weight"] = torch.cat([sd.pop(k) for k in parts], 1 if key.endswith("down_proj") else 0)
     want = model.state_dict()
     for i in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{i}.mlp.experts"
