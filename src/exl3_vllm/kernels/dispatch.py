@@ -228,17 +228,16 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         return Plan("dequant", chunk=min(cols, max_shard or n_total))
     if force is not None:
         tier = TIERS[force.tier]
-        force = force.tier
         if tier.int8 and not (codebook == Codebook.MUL1 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
             raise KernelError(f"EXL3_VLLM_TIER={tier.name} needs the mul1 codebook, at most {tier.bm} rows and "
                               f"4*k + 1024 <= {smem_limit} (got codebook {codebook}, m={m}, k={k})")
         if tier.wg and arch != WG_ARCH:
-            raise KernelError(f"EXL3_VLLM_TIER={force} needs an sm_{WG_ARCH} GPU (wgmma), this is sm_{arch}")
+            raise KernelError(f"EXL3_VLLM_TIER={tier.name} needs an sm_{WG_ARCH} GPU (wgmma), this is sm_{arch}")
         if col_align % tier.cols:
-            raise KernelError(f"EXL3_VLLM_TIER={force} covers {tier.cols} columns per block; this layer's shards "
+            raise KernelError(f"EXL3_VLLM_TIER={tier.name} covers {tier.cols} columns per block; this layer's shards "
                               f"are multiples of {col_align} only (use the 'n' twin, e.g. w64n)")
         if not tier_on(tier):
-            raise KernelError(f"EXL3_VLLM_TIER={force} is a tier that EXL3_VLLM_DISABLE leaves out")
+            raise KernelError(f"EXL3_VLLM_TIER={tier.name} is a tier that EXL3_VLLM_DISABLE leaves out")
     elif int8_ok(m, k, codebook, smem_limit):
         tier = int8_tier(m)
     elif m <= TIERS["h8"].bm and TIERS["h8"].smem(bits) <= smem_limit and tier_on(TIERS["h8"]):
