@@ -160,6 +160,33 @@ def test_sliced_mlp_loads_and_matches_the_oracle(tmp_path):
         assert max(abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"])) < 1e-4
 
 
+def test_compiled_graph_cache_key_follows_the_tensor_layout(tmp_path):
+    """vLLM reuses a compiled graph by a hash of its config, and the graph bakes in each layer's K, codebook and
+    slicing. Conversions into one directory with one config.json (the same average bits) (found on the GPU: the sliced model loaded
+    the unsliced one's graph and failed): each gets its own key, and a rewrite of the same one keeps its key."""
+    import shutil
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    from exl3_vllm.synth import load_config
+
+    load_general_plugins()
+    cfg, path = dict(load_config("tiny-llama"), intermediate_size=1536), str(tmp_path / "ckpt")
+    layouts = {"plain": {}, "same again": {}, "sliced": {"mlp_slices": 3},
+               "K moved": {"bits_map": {"model.layers.0.mlp.down_proj": 3, "model.layers.0.mlp.up_proj": 5}},
+               "one codebook": {"bits_map": {"model.layers.0.mlp.down_proj": {"bits": 4, "codebook": "mcg"}}}}
+    keys, configs = {}, set()
+    for name, kw in layouts.items():
+        shutil.rmtree(path, ignore_errors=True)
+        synthesize(cfg, path, bits=4, seed=1, **kw)
+        configs.add(open(os.path.join(path, "config.json")).read())
+        keys[name] = EngineArgs(model=path, dtype="float32", max_model_len=256).create_engine_config().compute_hash()
+    assert len(configs) == 1  # config.json alone would give them one key
+    assert keys["plain"] == keys["same again"]
+    assert len({keys[n] for n in ("plain", "sliced", "K moved", "one codebook")}) == 4, keys
+
+
 def test_non_finite_scales_are_refused_at_load(tmp_path):
     from exl3_vllm.format.checkpoint import Checkpoint
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from typing import Any
@@ -45,6 +47,25 @@ def _log_warnings(warnings: list[str]) -> None:
             logger.warning("exl3: %d modules (%s, ...): %s", len(keys), keys[0], what)
         else:
             logger.warning("exl3: %s", f"{keys[0]}: {what}" if keys else what)
+
+
+LAYOUT_KEY = "exl3_vllm_layout"
+
+
+def layout_digest(checkpoint: Checkpoint) -> str:
+    """What the compiled graph takes from the tensor headers: every name (codebook markers, slices), dtype and
+    shape (each shard's K)."""
+    rows = sorted((t.name, t.dtype, list(t.shape)) for t in checkpoint.tensors.values())
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:32]
+
+
+def _key_compile_cache(hf_config, checkpoint: Checkpoint) -> None:
+    """vLLM keys its compiled-graph cache on config.json, which two conversions into one directory can share while
+    their layers differ: the headers' digest joins the quantization_config it hashes."""
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        qc = getattr(cfg, "quantization_config", None)
+        if isinstance(qc, dict):
+            qc[LAYOUT_KEY] = layout_digest(checkpoint)
 
 
 @register_quantization_config("exl3")
@@ -92,6 +113,8 @@ class Exl3Config(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None):
         self.load_checkpoint(_resolve_dir(model_name, revision))
+        if hf_config is not None:
+            _key_compile_cache(hf_config, self.checkpoint)
 
     def load_checkpoint(self, path: str) -> None:
         """Read the checkpoint's headers once; every layer's spec comes from them."""
