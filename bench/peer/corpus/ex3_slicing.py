@@ -2,6 +2,11 @@
 checkpoints from its small models by lowering that bound in the converter and, per checkpoint, in exllamav3's
 forward: its MLP classes take the bound as a default argument, so the default is what changes.
 
+exllamav3 1.6.5 loads each unquantized slice as the whole checkpoint tensor and LinearFP16 is meant to cut the
+slice out of it, but its test is inverted (modules/quant/fp16.py: `weight.shape[0] < in_features`, never true for a
+full tensor), so every slice keeps the full weight and the converter's first slice forward fails in hgemm ("b and c
+have incompatible shapes"). set_split therefore also cuts the slice out before LinearFP16 sees the weight.
+
     python3 bench/peer/corpus/ex3_slicing.py 256 exllamav3.conversion.convert_model ARGS...   # the converter, sliced
 """
 from __future__ import annotations
@@ -27,6 +32,31 @@ def set_split(n: int) -> None:
         d = list(f.__defaults__)
         d[names.index("intermediate_split_size")] = n
         f.__defaults__ = tuple(d)
+    fix_fp16_slices()
+
+
+def fix_fp16_slices() -> None:
+    """Give exllamav3's LinearFP16 only its slice of a full (in, out) weight (see the module docstring)."""
+    from exllamav3.modules.quant import fp16
+
+    init = fp16.LinearFP16.__init__
+    if getattr(init, "_slices_fixed", False):
+        return
+
+    def __init__(self, in_features, out_features, weight, bias, full_in_features=None, full_out_features=None,
+                 first_in_feature=None, first_out_feature=None, *args, **kwargs):
+        a, b = first_in_feature or 0, first_out_feature or 0
+        if full_in_features and in_features < full_in_features == weight.shape[0]:
+            weight = weight[a:a + in_features, :]
+        if full_out_features and out_features < full_out_features == weight.shape[1]:
+            weight = weight[:, b:b + out_features]
+            if bias is not None and bias.shape[-1] == full_out_features:
+                bias = bias[..., b:b + out_features]
+        init(self, in_features, out_features, weight, bias, full_in_features, full_out_features,
+             first_in_feature, first_out_feature, *args, **kwargs)
+
+    __init__._slices_fixed = True
+    fp16.LinearFP16.__init__ = __init__
 
 
 _current = DEFAULT
