@@ -1,6 +1,6 @@
 #!/bin/bash
 # Wait for pipeline.sh (at most WAIT_S seconds, default 500), then copy what the corpus made into $OUT:
-# log.txt, results.tar (convert.json, ex3.json, the per-job logs), fixture.tar (the fixture checkpoints and every
+# log.txt, results.tar.xz (convert.json, ex3.json, the per-job logs), fixture.tar (the fixture checkpoints and every
 # checkpoint's 96-token exllamav3 logits), with PACK_EXT=1 exllamav3's built extension (ext.so.xz.partNN), and the
 # converted checkpoints (ckpts.tar.partNN, 15 MiB parts) as far as the return limit allows.
 set -u
@@ -15,7 +15,7 @@ done
 [ -f $C/DONE ] && echo "[collect] DONE" || echo "[collect] NOT DONE"
 cp $C/log.txt "$OUT/log.txt" 2>/dev/null
 tail -n 40 $C/log.txt
-( cd $C && tar -cf "$OUT/results.tar" exl3/convert.json exl3/*.log* ref/ex3.json ref/gate.json gate/gate_runs.json \
+( cd $C && tar -cJf "$OUT/results.tar.xz" exl3/convert.json exl3/*.log* ref/ex3.json ref/gate.json gate/gate_runs.json \
   gate/*.log gate.log train.log build.log ex3.log convert.log nvrtc.log pytest-gpu.log gputests stress/summary.json stress/progress.json stress/stress.log stress/server.log exactness exactness-sliced hf/*/train.json hf/*/config.json \
   2>/dev/null )
 [ -d $C/fixture ] && tar -C $C -cf "$OUT/fixture.tar" fixture $(cd $C && ls -d exl3/${FIXTURE_CKPTS:-llama-recipe-eb4} \

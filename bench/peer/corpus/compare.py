@@ -14,7 +14,8 @@ Beside it, each row's dtype floor (dtype_floor.py): the checkpoint's dense recon
 row's dtype, against the same exllamav3 logits. That is what a correct engine in that dtype scores (bf16 arithmetic
 alone parts from fp16 at 1.5-2.6% of positions on these models). gate_at_floor keeps the KL bound and asks top-1 at
 least the floor's less FLOOR_SLACK where the floor is under the top-1 bound. The same engine's own floors (fp16 vs fp32,
-bf16 vs fp16) are reported too. MoE rows also say where the routers sit on near ties (moe_routing.py), so that a gate row that fails can
+bf16 vs fp16) are reported too. gate_ties_only keeps the KL bound and asks that every teacher-forced top-1
+parting sit where exllamav3's top-2 margin is under TIE[dtype]. MoE rows also say where the routers sit on near ties (moe_routing.py), so that a gate row that fails can
 be read.
 """
 from __future__ import annotations
@@ -43,6 +44,16 @@ def kl_rows(ref_logits: torch.Tensor, got_lp: torch.Tensor, worst: list | None =
         top = torch.topk(kl, min(5, kl.numel()))
         worst += [(int(p), round(v, 5)) for p, v in zip(top.indices.tolist(), top.values.tolist())]
     return kl.mean().item(), (lp.argmax(-1) == q.argmax(-1)).float().mean().item()
+
+
+def partings(ref_logits: torch.Tensor, got_lp: torch.Tensor, tie: float) -> dict:
+    """Where the top-1s part: exllamav3's top-2 margin there (nats). A parting under the tie margin is a swap the
+    dtype's rounding can make; one above it is an error."""
+    lp = torch.log_softmax(ref_logits.float(), -1)
+    top2 = torch.topk(lp, 2).values
+    margin = (top2[:, 0] - top2[:, 1])[lp.argmax(-1) != got_lp.float().argmax(-1)]
+    return {"parted": margin.numel(), "parted_margin_max": round(margin.max().item(), 4) if margin.numel() else 0.0,
+            "parted_beyond_tie": int((margin >= tie).sum())}
 
 
 def gaps_of(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
@@ -135,8 +146,11 @@ def main() -> None:
             if run["dtype"] in dense:
                 floor_kl, floor_top1 = kl_rows(ref[:-1], torch.log_softmax(dense[run["dtype"]][:-1, :vocab], -1))
             at_floor = min(min_top1, floor_top1 - FLOOR_SLACK) if floor_top1 is not None else min_top1
+            parted = partings(ref[:-1], lp, TIE[run["dtype"]])
             row.update(floor_kl=floor_kl, floor_top1=floor_top1, own_dtype_floor=own.get(run["dtype"]),
-                       gate_at_floor=bool(kl <= max_kl and top1 >= at_floor and not g["greedy_mismatches"]))
+                       gate_at_floor=bool(kl <= max_kl and top1 >= at_floor and not g["greedy_mismatches"]),
+                       **parted, gate_ties_only=bool(kl <= max_kl and not parted["parted_beyond_tie"]
+                                                     and not g["greedy_mismatches"]))
             row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1, worst_positions=worst,
                        kl_unquantized_vs_vllm=kl_hf, top1_unquantized_vs_vllm=top1_hf, init_s=round(got["init_s"], 1),
                        eager=got["eager"], **g,
@@ -151,7 +165,8 @@ def main() -> None:
         json.dump(rows, f, indent=1)
     print(f"GATE {'PASS' if rows and all(r['gate'] for r in rows) else 'FAIL'}: "
           f"{sum(r['gate'] for r in rows)}/{len(rows)} rows; at the dtype floor: "
-          f"{sum(r.get('gate_at_floor', False) for r in rows)}/{len(rows)}")
+          f"{sum(r.get('gate_at_floor', False) for r in rows)}/{len(rows)}; top-1 parting only at near ties: "
+          f"{sum(r.get('gate_ties_only', False) for r in rows)}/{len(rows)}")
 
 
 if __name__ == "__main__":
