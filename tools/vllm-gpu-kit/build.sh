@@ -4,7 +4,7 @@
 #   bash build.sh            # download -> unpack -> trim -> pack -> split
 #
 # Everything large lives under $VKIT_BUILD_DIR (default /tmp/vllm-kit-build-026; the
-# 0.25.0 kit in /work/shared used /tmp/vllm-kit-build, so both builds can coexist):
+# shared 0.25.0 kit uses /tmp/vllm-kit-build, so both builds can coexist):
 #   cache/  downloaded wheels (kept between runs)
 #   site/   the unpacked staging tree that becomes /tmp/vllm-kit/site on the device
 #   out/    part-00, part-01, ... (core kit) and moe-00 (optional MoE add-on), each
