@@ -16,7 +16,7 @@ from .errors import Exl3FormatError
 from .hadamard import HAD
 from .safetensors_io import TensorInfo, read_header, read_tensor, unique_object
 
-EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
+EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", *cb.MARKER_VALUES)
 INDEX_FILE = "model.safetensors.index.json"
 NGRAM_FILE = "ngram_embedding.safetensors"
 # An expert's (gate, up) names in checkpoints: Hugging Face's, and Mixtral's w1 / w3.
@@ -358,9 +358,9 @@ class Checkpoint:
         k, n = 16 * t.shape[0], 16 * t.shape[1]
         if k == 0 or n == 0 or k % HAD or n % HAD:
             raise fail(f"k={k} and n={n} must be positive multiples of 128 (the Hadamard block)")
-        markers = [m for m in ("mcg", "mul1") if m in parts]
+        markers = [m for m in cb.MARKER_VALUES if m in parts]
         if len(markers) == 2:
-            raise fail("both .mcg and .mul1 codebook markers are present", tensor=f"{key}.mul1")
+            raise fail(f"both .{markers[0]} and .{markers[1]} codebook markers are present", tensor=f"{key}.{markers[1]}")
         code = markers[0] if markers else "3inst"
         if markers:
             mk = parts[code]

@@ -21,6 +21,8 @@ from .variants import (INT8_MAX_M, IO_SOURCE, LINEAR_SOURCE, RECON_SMEM, TIERS, 
                        linear_defines, whole_stages)
 
 
+_CODEBOOKS = frozenset(int(c) for c in Codebook)
+
 
 def _needs(p: Plan, m: int, k: int, n_total: int, shards: int) -> dict[str, int]:
     if p.path == "dequant":
@@ -99,8 +101,9 @@ def _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook):
         raise KernelError(f"exl3 linear: svh must be fp16 [{n_total}], got {svh.dtype} {tuple(svh.shape)}")
     if bias is not None and bias.shape != (n_total,):
         raise KernelError(f"exl3 linear: bias must be [{n_total}], got {tuple(bias.shape)}")
-    if codebook not in (0, 1, 2):
-        raise KernelError(f"exl3 linear: codebook must be 0 (3inst), 1 (mcg) or 2 (mul1), got {codebook}")
+    if codebook not in _CODEBOOKS:
+        known = ", ".join(f"{int(c)} ({c.label})" for c in Codebook)
+        raise KernelError(f"exl3 linear: codebook must be one of {known}, got {codebook}")
     bits = bits_of(trellis)
     if bits != int(bits) and codebook != Codebook.MUL1:
         raise KernelError(f"exl3 linear: K={bits} (half-integer) exists only with the mul1 codebook")

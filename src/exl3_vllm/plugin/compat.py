@@ -1,4 +1,4 @@
-"""Everything that differs between the vLLM versions we support (run on 0.25 and 0.32; 0.25-0.34 checked)."""
+"""Everything that differs between the vLLM versions we support (run on 0.25, 0.26 and 0.32; 0.25-0.34 checked)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from ..format import codebook as cb
 from ..format import embedding as emb
 from ..format.checkpoint import EmbeddingSpec
 from ..format.errors import Exl3FormatError
+from .loading import damaged
 
 
 class Exl3EmbeddingMethod(QuantizeMethodBase):
@@ -54,10 +55,8 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         layer.register_buffer("mul1_values", cb.all_values("mul1").to(layer.trellis.device), persistent=False)
         bad = (~torch.isfinite(emb.row_scales(layer.trellis.data, self.spec.hidden // emb.GROUP))).any(1).nonzero()
         if bad.numel():
-            raise Exl3FormatError(f"{self.prefix}: {bad.numel()} rows of the quantized embedding (e.g. row "
-                                  f"{int(bad[0])} of this rank's) have a NaN or Inf scale",
-                                  file=self.config.checkpoint.path, tensor=f"{self.spec.key}.trellis",
-                                  fix="the checkpoint is damaged: re-download or re-convert it")
+            raise damaged(f"{self.prefix}: {bad.numel()} rows of the quantized embedding (e.g. row {int(bad[0])} of "
+                          "this rank's) have a NaN or Inf scale", self.config.checkpoint.path, f"{self.spec.key}.trellis")
         s = layer.signs.data
         if not bool(((s == 1) | (s == -1)).all()):
             raise Exl3FormatError(f"{self.prefix}: the embedding signs must all be +1 or -1",

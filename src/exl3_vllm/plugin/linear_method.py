@@ -14,6 +14,7 @@ from ..format.checkpoint import Exl3Spec, signs_to_half
 from ..format.errors import Exl3FormatError
 from ..format.hadamard import HAD
 from ..format.reconstruct import w_hat
+from .loading import damaged, marker, tp_hint
 from .names import shard_groups
 from .op import exl3_linear, prepare_layer
 
@@ -29,11 +30,6 @@ def _kind(layer: torch.nn.Module) -> str:
     if isinstance(layer, ParallelLMHead):
         return "head"
     return "column"  # Column, Merged, QKV and Replicated (tp_size 1) all split n, if at all
-
-
-def tp_hint(width: int, tp: int) -> str:
-    ok = [d for d in (1, 2, 4, 8, 16) if width % d == 0 and (width // d) % HAD == 0]
-    return f"tensor_parallel_size in {ok}" if ok else "tensor_parallel_size 1"
 
 
 @dataclass
@@ -185,12 +181,8 @@ class Exl3LinearMethod(LinearMethodBase):
             src_start, dst_col, width, _ = layer.exl3.shards[s]
             k0 = layer.exl3.k_start
             w = loaded_weight
-            if name in ("mcg", "mul1"):
-                value = int(w.reshape(-1)[0])
-                if value != cb.MARKER_VALUES[name]:
-                    raise Exl3FormatError(f"codebook marker holds {value}, expected {cb.MARKER_VALUES[name]}",
-                                          file=self.config.checkpoint.path, tensor=f"{spec.key}.{name}")
-                param.data.fill_(value)
+            if name in cb.MARKER_VALUES:
+                param.data.fill_(marker(w, name, self.config.checkpoint.path, f"{spec.key}.{name}"))
                 return
             k_rows = param.shape[1] if name in ("suh", "su") else param.shape[0]
             if name == "trellis":
@@ -238,9 +230,8 @@ class Exl3LinearMethod(LinearMethodBase):
         for spec, a, b in zip(self.specs, suh_ok, svh_ok):
             if not (a and b):
                 what = "suh" if not a else "svh"
-                raise Exl3FormatError(f"{self.prefix}: {spec.key}.{what} holds NaN or Inf values",
-                                      file=spec.tensors["trellis"].file, tensor=f"{spec.key}.{what}",
-                                      fix="the checkpoint is damaged: re-download or re-convert it")
+                raise damaged(f"{self.prefix}: {spec.key}.{what} holds NaN or Inf values",
+                              spec.tensors["trellis"].file, f"{spec.key}.{what}")
 
     # ---- forward -----------------------------------------------------------------------------
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,16 +16,15 @@ from ..format.errors import Exl3FormatError
 from ..format.hadamard import HAD
 from ..format.reconstruct import w_hat
 from . import compat
-from .linear_method import tp_hint
+from .loading import damaged, marker, tp_hint
 from .moe_op import ExpertStack, exl3_moe
 from .op import prepare_experts
 
 # vLLM's shard ids per parameter stem: w1 = gate and w3 = up fill the two halves of w13, w2 = down.
 _SHARDS = {"w13": ("w1", "w3"), "w2": ("w2",)}
-_MARKERS = ("mcg", "mul1")
+_MARKERS = tuple(cb.MARKER_VALUES)
 # What each checkpoint role fills: legacy su/sv signs are stored expanded, as suh/svh.
-_KIND = {"trellis": "trellis", "suh": "suh", "su": "suh", "svh": "svh", "sv": "svh", "mcg": "marker",
-         "mul1": "marker"}
+_KIND = {"trellis": "trellis", "suh": "suh", "su": "suh", "svh": "svh", "sv": "svh"} | dict.fromkeys(_MARKERS, "marker")
 logger = logging.getLogger("exl3_vllm")
 
 
@@ -281,11 +280,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             n_pp, start, half = plan["n_pp"], plan["start"], shards.index(shard_id)
             w = loaded_weight
             if role in _MARKERS:
-                value = int(w.reshape(-1)[0])
-                if value != cb.MARKER_VALUES[role]:
-                    raise Exl3FormatError(f"codebook marker holds {value}, expected {cb.MARKER_VALUES[role]}",
-                                          file=self.path, tensor=tensor)
-                param.data.fill_(value)
+                param.data.fill_(marker(w, role, self.path, tensor))
             elif role == "trellis":
                 g, i = plan["where"][stem][slot]
                 dst = getattr(layer, _trellis_name(stem, g)).data[i]
@@ -326,9 +321,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 if not all(ok):
                     slot = ok.index(False)
                     spec = self.specs[stem][plan["local"][slot]][0]
-                    raise Exl3FormatError(f"{self.prefix}: expert {plan['local'][slot]}'s {stem} {side} holds NaN or "
-                                          "Inf values", file=self.path, tensor=f"{spec.key}.{side}",
-                                          fix="the checkpoint is damaged: re-download or re-convert it")
+                    raise damaged(f"{self.prefix}: expert {plan['local'][slot]}'s {stem} {side} holds NaN or Inf "
+                                  "values", self.path, f"{spec.key}.{side}")
         for stem in _SHARDS:
             for r in ("su", "sv"):
                 if hasattr(layer, f"{stem}_{r}"):
