@@ -5,7 +5,8 @@ no GPU): import paths, the signatures of the methods the plugin overrides or cal
 
 DIR holds vllm-<version>-*.whl files (`pip download --no-deps --only-binary=:all: --python-version 3.12
 --platform manylinux_2_28_x86_64 -d DIR vllm==X`). Only the wheels' .py sources are read. A cell is "ok", "missing",
-or the signature found when it lacks a parameter the plugin passes or expects.
+or the signature found when it lacks a parameter the plugin passes or expects. The last three rows check that the layout
+digest Exl3Config.maybe_update_config writes into hf_config reaches vLLM's compiled-graph cache key.
 """
 from __future__ import annotations
 
@@ -229,6 +230,58 @@ def check(src: Sources) -> dict[str, str]:
         pat = re.compile(rf"(self\.{re.escape(attr)}\s*[:=]|def {re.escape(attr)}\b|^\s+{re.escape(attr)}\s*:)",
                          re.M)
         out[label] = "ok" if any(n in src.names and pat.search(src.text(n)) for n in files) else "missing"
+    out.update(cache_key(src))
+    return out
+
+
+def _calls(fn, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr == name] if fn is not None else []
+
+
+def cache_key(src: Sources) -> dict[str, str]:
+    """Exl3Config.maybe_update_config adds a layout digest to hf_config.quantization_config: is it in the hash?"""
+    out = {}
+    # (a) the quantization config is handed the model's own hf_config, by keyword.
+    fn = src.method("vllm.config", "VllmConfig", "_get_quantization_config")
+    calls = _calls(fn, "maybe_update_config")
+    want = f"{params(fn)[0][0]}.hf_config" if fn is not None and params(fn)[0] else None
+    ok = any(ast.unparse(k.value) == want for c in calls for k in c.keywords if k.arg == "hf_config")
+    out["VllmConfig._get_quantization_config passes hf_config= to maybe_update_config"] = (
+        "missing" if fn is None else "ok" if ok else "calls " + ast.unparse(calls[0]) if calls
+        else "no maybe_update_config call")
+    # (b) __post_init__ runs it on self.model_config itself, not through the deep-copying get_quantization_config.
+    fn = src.method("vllm.config", "VllmConfig", "__post_init__")
+    calls = _calls(fn, "_get_quantization_config") + _calls(fn, "get_quantization_config")
+    ok = any(c.func.attr == "_get_quantization_config" and c.args and ast.unparse(c.args[0]) == "self.model_config"
+             for c in calls)
+    out["VllmConfig.__post_init__ calls _get_quantization_config(self.model_config, ...)"] = (
+        "missing" if fn is None else "ok" if ok else "calls " + ast.unparse(calls[0]) if calls
+        else "no (_)get_quantization_config call")
+    # (c) VllmConfig's cache-key factors take ModelConfig's, which hash every field but its ignored_factors.
+    name = next((m for m in ("compile_factors", "compute_hash") if src.method("vllm.config", "VllmConfig", m)), "")
+    vhash = src.method("vllm.config", "VllmConfig", name)  # compute_hash to 0.33, compile_factors from 0.34
+    mhash = src.method("vllm.config", "ModelConfig", name)
+    if vhash is None or mhash is None:
+        why = "missing"
+    else:
+        # ModelConfig's is called directly or through a local helper (0.34's get_factors).
+        helpers = {n.name for n in ast.walk(vhash) if isinstance(n, ast.FunctionDef) and n is not vhash
+                   and _calls(n, name)}
+        calls = {ast.unparse(c) for c in ast.walk(vhash) if isinstance(c, ast.Call)}
+        takes_model = f"self.model_config.{name}()" in calls or any(f"{h}(self.model_config)" in calls for h in helpers)
+        ignored = {e.value for n in ast.walk(mhash) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Set)
+                   and any(isinstance(t, ast.Name) and t.id == "ignored_factors" for t in n.targets)
+                   for e in n.value.elts if isinstance(e, ast.Constant)}
+        called = {n.func.id for n in ast.walk(mhash) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        fields = {n.target.id for n in src.find("vllm.config", "ModelConfig")[0].body
+                  if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        why = (f"VllmConfig.{name} does not take ModelConfig's" if not takes_model
+               else "ignores hf_config" if "hf_config" in ignored
+               else f"ModelConfig.{name} does not hash its fields" if not called & {"get_hash_factors",
+                                                                                   "get_compile_factors"}
+               else "hf_config is not a field" if "hf_config" not in fields else "ok")
+    out["ModelConfig's hash (part of VllmConfig's) covers hf_config"] = why
     return out
 
 
