@@ -6,6 +6,8 @@ export OUT=${OUT:-/tmp/serve-out}; mkdir -p "$OUT"
 bash "$part/stage.sh" "$part"; echo "stage rc=$? (3 = parts still missing, expected here)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" XDG_CACHE_HOME=/tmp/exl3cache PYTHONUNBUFFERED=1
+# NVRTC_TAR (bench/peer/corpus/precompile.sh, carried): the compile below then only reads the cache.
+[ -n "${NVRTC_TAR:-}" ] && mkdir -p /tmp/exl3cache && tar -C /tmp/exl3cache -xJf "$NVRTC_TAR" && echo "NVRTC cache unpacked"
 # Every kernel variant into the NVRTC cache (/tmp survives warm calls), while the models are written.
 python3 -m exl3_vllm.kernels.cli kernels --compile-only --arch sm_90 --jobs 14 > "$OUT/kernel_compile.txt" 2>&1 &
 COMPILE=$!
