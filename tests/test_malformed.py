@@ -620,6 +620,22 @@ verify_case("suh_all_zero", SINGLE, Q_KEY + ".suh", "every value is 0")(
 verify_case("svh_all_signed_zero", SINGLE, O_KEY + ".svh", "every value is 0")(
     lambda tmp: with_tensors(tmp, setter(O_KEY + ".svh", tensor("F16", [256], RNG, values=[0.0, -0.0] * 128))))
 
+
+
+def _zero_bytes(name, start, count):
+    """A zero-filled hole in a tensor's bytes, as a download that stopped or a sparse file leaves."""
+    def change(tensors):
+        t = tensors[name]
+        tensors[name] = T(t.dtype, t.shape, t.data[:start] + bytes(count) + t.data[start + count:])
+    return change
+
+
+# Trellis words are near-random: real exllamav3 checkpoints have no run of zero bytes over 2; a 1 KiB hole is refused.
+verify_case("trellis_zero_hole", SINGLE, TRELLIS, "zeros", "hole")(
+    lambda tmp: with_tensors(tmp, _zero_bytes(TRELLIS, 3000, 1024)))
+verify_case("trellis_zero_hole_in_shard", SHARD2, O_KEY + ".trellis", "zeros")(
+    lambda tmp: with_tensors(tmp, _zero_bytes(O_KEY + ".trellis", 0, 4096), sharded=True))
+
 # ...and what verify() accepts: tiny-but-finite (subnormal) scales, a single zero channel, an all-zero bias.
 VERIFY_ACCEPTS = {
     "suh_all_subnormal": setter(Q_KEY + ".suh", tensor("F16", [256], RNG, values=[2.0 ** -24, -(2.0 ** -20)] * 128)),
@@ -692,6 +708,44 @@ def test_verify_refuses_bad_values(name, tmp_path):
     for s in must_name:
         assert s in msg, f"{s!r} not named in: {msg}"
     assert "\n" not in msg and len(msg) < 2000, msg
+
+
+def _sha256(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_verify_checks_the_sha256_a_hugging_face_download_recorded(tmp_path):
+    """huggingface_hub's local-dir download writes `<etag>` (an LFS file's sha256) beside each file; a file that
+    differs from it (changed, or cut short) is refused; a 40-digit etag (a small file's git hash) is not a sha256."""
+    path = make_ckpt().write(tmp_path / "ckpt")
+    shard = os.path.join(path, SINGLE)
+    meta = os.path.join(path, ".cache", "huggingface", "download", SINGLE + ".metadata")
+    os.makedirs(os.path.dirname(meta))
+    open(meta, "w").write(f"{'c' * 40}\n{_sha256(shard)}\n1765000000.0\n")
+    Checkpoint(path).verify()
+    open(meta, "w").write(f"{'c' * 40}\n{'0' * 64}\n1765000000.0\n")
+    with pytest.raises(Exl3FormatError, match="sha256") as info:
+        Checkpoint(path).verify()
+    assert SINGLE in str(info.value) and "\n" not in str(info.value)
+    open(meta, "w").write(f"{'c' * 40}\n{'a' * 40}\n1765000000.0\n")
+    Checkpoint(path).verify()
+
+
+def test_verify_checks_a_hub_cache_blob_against_its_name(tmp_path):
+    """In the hub cache a snapshot's files link to blobs named by their sha256."""
+    path = make_ckpt().write(tmp_path / "snapshot")
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    shard = os.path.join(path, SINGLE)
+    blob = blobs / _sha256(shard)
+    os.replace(shard, blob)
+    os.symlink(blob, shard)
+    Checkpoint(path).verify()
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF  # the last byte: tensor data the headers cannot see
+    blob.write_bytes(bytes(data))
+    with pytest.raises(Exl3FormatError, match="sha256"):
+        Checkpoint(path).verify()
 
 
 @pytest.mark.parametrize("name", sorted(VERIFY_ACCEPTS))

@@ -96,7 +96,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--verify", action="store_true", help="also read the data the headers cannot vouch for: every "
                                                           "scale vector, bias, unquantized weight and embedding row "
-                                                          "scale must be finite (reads all but the trellis words)")
+                                                          "scale finite, no zero-filled hole in a trellis, and each "
+                                                          "file's sha256 where a Hugging Face download recorded one "
+                                                          "(reads every byte)")
     p.set_defaults(func=main)
 
 
@@ -112,5 +114,6 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(render(s))
         if args.verify:
-            print("verify: every scale, bias, unquantized weight and embedding row scale is finite")
+            print("verify: every scale, bias, unquantized weight and embedding row scale is finite, no trellis "
+                  "has a hole, and every recorded checksum matches")
     return 1 if ck.unsupported else 0

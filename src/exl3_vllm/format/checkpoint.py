@@ -493,33 +493,11 @@ class Checkpoint:
         return bits / weights if weights else None
 
     def verify(self) -> None:
-        """Read what the headers cannot vouch for: every scale vector, bias and embedding row scale must be finite
-        (a NaN there makes whole outputs NaN), and no suh/svh all zeros (the module's output would be 0; subnormal
-        or single zero scales are fine); raises Exl3FormatError naming the first bad tensor."""
-        for key, spec in self.modules.items():
-            if isinstance(spec, Exl3Spec):
-                vectors = [r for r in ("suh", "svh", "bias") if r in spec.tensors]
-            elif isinstance(spec, EmbeddingSpec):
-                scales = emb.row_scales(read_tensor(spec.tensors["trellis"]), spec.hidden // emb.GROUP)
-                bad = (~torch.isfinite(scales)).any(1).nonzero()
-                if bad.numel():
-                    raise Exl3FormatError(f"{bad.numel()} rows have a NaN or Inf scale (first: row {int(bad[0])})",
-                                          file=spec.tensors["trellis"].file, tensor=f"{key}.trellis",
-                                          fix="the checkpoint is damaged: re-download or re-convert it")
-                vectors = ["signs"]
-            else:
-                vectors = [r for r, i in spec.tensors.items() if i.dtype in ("F16", "BF16", "F32")]
-            for role in vectors:
-                info = spec.tensors[role]
-                v = read_tensor(info)
-                if not bool(torch.isfinite(v).all()):
-                    raise Exl3FormatError(f"{int((~torch.isfinite(v)).sum())} NaN or Inf values", file=info.file,
-                                          tensor=info.name, fix="the checkpoint is damaged: re-download or "
-                                                                "re-convert it")
-                if role in ("suh", "svh") and not bool(v.any()):
-                    raise Exl3FormatError(f"every value is 0, so {key}'s output would be 0 (a zero-filled hole "
-                                          "in the file?)", file=info.file, tensor=info.name,
-                                          fix="the checkpoint is damaged: re-download or re-convert it")
+        """Read what the headers cannot vouch for (format/integrity.py); raises Exl3FormatError naming the first bad
+        file or tensor."""
+        from .integrity import verify
+
+        verify(self)
 
     def tensor(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
         info = self.tensors.get(name)

@@ -8,8 +8,7 @@ import torch
 from ..format import codebook as cb
 from ..format.errors import Exl3FormatError
 from ..format.hadamard import HAD
-
-DAMAGED = "the checkpoint is damaged: re-download or re-convert it"
+from ..format.integrity import DAMAGED
 
 
 def marker(w: torch.Tensor, name: str, file: str, tensor: str) -> int:
