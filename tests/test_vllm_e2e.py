@@ -187,18 +187,23 @@ def test_compiled_graph_cache_key_follows_the_tensor_layout(tmp_path):
     assert len({keys[n] for n in ("plain", "sliced", "K moved", "one codebook")}) == 4, keys
 
 
-def test_non_finite_scales_are_refused_at_load(tmp_path):
+@pytest.mark.parametrize("tensor,word", [("model.layers.0.self_attn.k_proj.suh", 5),  # channel 5
+                                         ("model.embed_tokens.trellis", None)])  # a row's group scale
+def test_non_finite_scales_are_refused_at_load(tensor, word, tmp_path):
+    """A NaN scale, written into the file after conversion, stops the engine at load, naming the tensor."""
     from exl3_vllm.format.checkpoint import Checkpoint
 
     q = str(tmp_path / "nan")
-    synthesize("tiny-llama", q, bits=4, seed=5)
-    info = Checkpoint(q).tensors["model.layers.0.self_attn.k_proj.suh"]
+    synthesize("tiny-llama", q, bits=4, seed=5, embed_bits=4)
+    info = Checkpoint(q).tensors[tensor]
+    if word is None:  # the quantized embedding: row 7's first group starts with its fp16 scale word
+        word = 7 * info.shape[1]
     with open(info.file, "r+b") as f:
-        f.seek(info.offset + 2 * 5)
-        f.write(bytes([0x00, 0x7E]))  # fp16 NaN in channel 5
+        f.seek(info.offset + 2 * word)
+        f.write(bytes([0x00, 0x7E]))  # fp16 NaN
     proc = run_engine(q, "float32", PROMPTS[:1], 4, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "model.layers.0.self_attn.k_proj.suh" in out and "NaN or Inf" in out, out[-3000:]
+    assert proc.returncode != 0 and tensor in out and "NaN or Inf" in out, out[-3000:]
 
 
 def test_tensor_parallel_2_equals_tp1_and_128_rule_fails_fast(tmp_path):

@@ -418,6 +418,19 @@ def test_expert_tensors_loader_keeps_3d_tensors_whole():
                    ("w2_mul1", 1, "w2", torch.Size([]))]
 
 
+def test_an_experts_non_finite_scale_is_refused_at_load(tmp_path):
+    q = str(tmp_path / "nan")
+    synthesize(QWEN_CFG, q, bits=4, seed=3)
+    name = "model.layers.1.mlp.experts.2.down_proj.svh"
+    info = Checkpoint(q).tensors[name]
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset + 2 * 9)
+        f.write(bytes([0x00, 0x7C]))  # fp16 +Inf in channel 9
+    proc = run_engine(q, "float32", PROMPTS[:1], 4, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and name in out and "NaN or Inf" in out, out[-3000:]
+
+
 def test_engine_refuses_experts_of_mixed_gate_up_k_before_building_the_model(tmp_path):
     import time
 
