@@ -636,9 +636,15 @@ verify_case("trellis_zero_hole", SINGLE, TRELLIS, "zeros", "hole")(
 verify_case("trellis_zero_hole_in_shard", SHARD2, O_KEY + ".trellis", "zeros")(
     lambda tmp: with_tensors(tmp, _zero_bytes(O_KEY + ".trellis", 0, 4096), sharded=True))
 
-# ...and what verify() accepts: tiny-but-finite (subnormal) scales, a single zero channel, an all-zero bias.
+# A whole vector of subnormal scales (exllamav3's are at least 0.0156 in every corpus checkpoint) scales its output to
+# about 0, as zeros would: refused the same way.
+verify_case("suh_all_subnormal", SINGLE, Q_KEY + ".suh", "subnormal")(
+    lambda tmp: with_tensors(tmp, setter(Q_KEY + ".suh", tensor("F16", [256], RNG,
+                                                                values=[2.0 ** -24, -(2.0 ** -20)] * 128))))
+
+# ...and what verify() accepts: one subnormal channel, a single zero channel, an all-zero bias.
 VERIFY_ACCEPTS = {
-    "suh_all_subnormal": setter(Q_KEY + ".suh", tensor("F16", [256], RNG, values=[2.0 ** -24, -(2.0 ** -20)] * 128)),
+    "suh_one_subnormal": setter(Q_KEY + ".suh", _vec("F16", 11, 2.0 ** -20)),
     "svh_one_zero": setter(Q_KEY + ".svh", _vec("F16", 7, 0.0)),
     "bias_all_zero": setter(Q_KEY + ".bias", tensor("F16", [256], RNG, values=np.zeros(256))),
 }
