@@ -791,14 +791,17 @@ VLLM_SPEAKS_FIRST = {
     "config_vocab_size_bool", "path_missing"}
 
 
-def test_vllm_refuses_every_case_while_building_its_config(tmp_path):
+def test_vllm_refuses_every_case_while_building_its_config(tmp_path, monkeypatch):
     """The path `vllm serve` takes (EngineArgs.create_engine_config: no engine process, no model yet): every case is
     refused; each one the plugin can see is refused with its message (the file, the tensor, what is wrong)."""
     pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
+    import time
+
     from vllm.engine.arg_utils import EngineArgs
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    monkeypatch.setattr(time, "sleep", lambda s: None)  # vLLM waits 2 s before reading a broken config.json again
     assert VLLM_SPEAKS_FIRST <= set(CASES)
     for i, (name, (build, must_name)) in enumerate(sorted(CASES.items())):
         path = str(build(tmp_path / str(i)))
