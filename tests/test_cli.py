@@ -114,8 +114,9 @@ def test_explain_names_each_kernel_call_its_path_per_m_and_why(tmp_path, capsys,
 
 def test_modules_left_out_of_tensor_storage_are_read_from_the_headers(tmp_path, capsys):
     """exllamav3 writes MTP (and vision) modules without listing them in tensor_storage: they are read from the
-    safetensors headers as what their tensors say, listed by inspect, with no warning; any other EXL3 module missing
-    from tensor_storage is warned about."""
+    safetensors headers as what their tensors say, listed by inspect, with no warning (`mtp.*`, and DeepSeek-style
+    MTP layers numbered from num_hidden_layers on); any other EXL3 module missing from tensor_storage is warned
+    about."""
     from safetensors.torch import load_file, save_file
 
     out = tmp_path / "m"
@@ -125,7 +126,8 @@ def test_modules_left_out_of_tensor_storage_are_read_from_the_headers(tmp_path, 
     shard = index["weight_map"][f"{src}.trellis"]
     tensors = {k: v for k, v in load_file(str(out / shard)).items() if k.startswith(src + ".")}
     extra = {}
-    for key in ("mtp.layers.0.mlp.down_proj", "model.layers.0.mlp.extra_proj"):
+    nextn = f"model.layers.{json.loads((out / 'config.json').read_text())['num_hidden_layers']}.mlp.down_proj"
+    for key in ("mtp.layers.0.mlp.down_proj", nextn, "model.layers.0.mlp.extra_proj"):
         extra.update({key + k[len(src):]: v.clone() for k, v in tensors.items()})
     save_file(extra, str(out / "model-extra.safetensors"), metadata={"format": "pt"})
     index["weight_map"].update({k: "model-extra.safetensors" for k in extra})
@@ -139,3 +141,4 @@ def test_modules_left_out_of_tensor_storage_are_read_from_the_headers(tmp_path, 
     assert cli.main(["inspect", str(out), "--json"]) == 0
     mods = {m["key"]: m for m in json.loads(capsys.readouterr().out)["modules"]}
     assert mods["mtp.layers.0.mlp.down_proj"]["format"] == "exl3" and mods["mtp.layers.0.mlp.down_proj"]["bits"] == 4
+    assert mods[nextn]["format"] == "exl3"

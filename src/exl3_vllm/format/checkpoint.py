@@ -21,8 +21,10 @@ INDEX_FILE = "model.safetensors.index.json"
 NGRAM_FILE = "ngram_embedding.safetensors"
 # An expert's (gate, up) names in checkpoints: Hugging Face's, and Mixtral's w1 / w3.
 EXPERT_GATE_UP = (("gate_proj", "up_proj"), ("w1", "w3"))
-# The converter never lists MTP and vision modules in tensor_storage: their absence there is normal.
+# The converter never lists MTP and vision modules in tensor_storage: their absence there is normal. DeepSeek-style
+# MTP ("nextn") modules are decoder layers numbered from num_hidden_layers on.
 _UNLISTED = re.compile(r"(^|\.)(mtp|visual|vision_tower|vision_model|multi_modal_projector)(\.|$)")
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 SINGLE_FILE = "model.safetensors"
 # The config.json sizes the reader uses (text_config's when there is one); null means not stated.
 DIM_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size",
@@ -407,12 +409,19 @@ class Checkpoint:
                     padded[axis] = d
         return Exl3Spec(key, k, n, bits, code, roles, legacy, padded)
 
+    def _unlisted(self, key: str) -> bool:
+        """A module the converter leaves out of tensor_storage (MTP, vision)."""
+        tc = self.config.get("text_config")
+        layer, layers = _LAYER.search(key), (tc if isinstance(tc, dict) else self.config).get("num_hidden_layers")
+        return bool(_UNLISTED.search(key)) or (layer is not None and type(layers) is int
+                                                and int(layer.group(2)) >= layers)
+
     def _check_storage(self) -> None:
         path = os.path.join(self.path, "quantization_config.json")
         for key, spec in self.modules.items():
             entry = self.tensor_storage.get(key)
             if entry is None:
-                if isinstance(spec, Exl3Spec) and self.tensor_storage and not _UNLISTED.search(key):
+                if isinstance(spec, Exl3Spec) and self.tensor_storage and not self._unlisted(key):
                     self.warnings.append(f"{key}: EXL3 module in the tensors but not in tensor_storage")
                 continue
             if isinstance(spec, Exl3Spec):
