@@ -133,17 +133,19 @@ def test_unquantized_head_stored_padded_loads_and_matches_the_oracle(tmp_path):
         assert r["tokens"] == out[0, len(r["prompt_ids"]):].tolist()
 
 
-def test_sliced_mlp_loads_and_matches_the_oracle(tmp_path):
+def test_sliced_mlp_and_quantized_embedding_match_the_oracle_and_tp2_equals_tp1(tmp_path):
     """exllamav3 stores MLPs wider than 55,296 as `.slice.N` modules (gate/up along their outputs, down along its
-    inputs); here a small one sliced in three (512 columns each, exllamav3's split rule) with mixed K and codebook:
-    the engine joins them and matches the unsliced dense twin; at tensor_parallel_size 2 each rank takes its part
-    (rank 0 all of slice 0 and half of slice 1) and the replies equal TP=1's."""
+    inputs); here a small one sliced in three (512 columns each, exllamav3's split rule) with mixed K and codebook,
+    beside a 5-bit quantized embedding and a 6-bit head: the engine joins the slices and matches the unsliced dense
+    twin; at tensor_parallel_size 2 each rank takes its part (rank 0 all of slice 0 and half of slice 1; half the
+    embedding's rows; 128 of k/v's 256 columns) and the replies equal TP=1's."""
     from exl3_vllm.synth import load_config
 
     cfg = dict(load_config("tiny-llama"), intermediate_size=1536, num_key_value_heads=4)  # k/v split at TP=2
     q, d = str(tmp_path / "q"), str(tmp_path / "d")
-    synthesize(cfg, q, bits=4, seed=9, also_dense=d, dense_dtype="float32", mlp_slices=3,
-               bits_map={"model.layers.0.mlp.down_proj": 3, "model.layers.1.mlp.gate_proj": {"bits": 5, "codebook": "mcg"}})
+    synthesize(cfg, q, bits=4, head_bits=6, seed=9, also_dense=d, dense_dtype="float32", mlp_slices=3, embed_bits=5,
+               bits_map={"model.layers.0.mlp.down_proj": 3, "model.layers.1.mlp.gate_proj": {"bits": 5, "codebook": "mcg"},
+                         "model.layers.1.self_attn.q_proj": 5, "model.layers.0.self_attn.*": 3})
     tp1 = run_vllm(q, "float32")
     for r in tp1:
         # Teacher-forced (this random model's greedy path runs into EOS, which generate(min_new_tokens) forbids).
@@ -206,19 +208,7 @@ def test_non_finite_scales_are_refused_at_load(tensor, word, tmp_path):
     assert proc.returncode != 0 and tensor in out and "NaN or Inf" in out, out[-3000:]
 
 
-def test_tensor_parallel_2_equals_tp1_and_128_rule_fails_fast(tmp_path):
-    from exl3_vllm.synth import load_config
-
-    cfg = dict(load_config("tiny-llama"), num_key_value_heads=4)  # k/v 256 wide: 128 per rank at TP=2
-    good = str(tmp_path / "tp_ok")
-    bits_map = tmp_path / "bits.json"
-    bits_map.write_text(json.dumps({"model.layers.0.*": 3, "model.layers.1.mlp.*": 6,
-                                    "model.layers.1.self_attn.q_proj": 5}))
-    # A quantized embedding too: vLLM splits its rows across the ranks.
-    synthesize(cfg, good, bits=4, head_bits=6, bits_map=str(bits_map), seed=6, embed_bits=5)
-    tp1 = run_vllm(good, "float32", tp=1)
-    tp2 = run_vllm(good, "float32", tp=2)
-    assert [r["tokens"] for r in tp2] == [r["tokens"] for r in tp1]
+def test_128_rule_fails_fast_at_tensor_parallel_2(tmp_path):
     bad = str(tmp_path / "tp_bad")
     synthesize("tiny-llama", bad, bits=4, seed=6)  # k/v are 128 wide: 64 per rank at TP=2
     t0 = time.time()
