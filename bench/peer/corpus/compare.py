@@ -14,8 +14,9 @@ Beside it, each row's dtype floor (dtype_floor.py): the checkpoint's dense recon
 row's dtype, against the same exllamav3 logits. That is what a correct engine in that dtype scores (bf16 arithmetic
 alone parts from fp16 at 1.5-2.6% of positions on these models). gate_at_floor keeps the KL bound and asks top-1 at
 least the floor's less FLOOR_SLACK where the floor is under the top-1 bound. The same engine's own floors (fp16 vs fp32,
-bf16 vs fp16) are reported too. gate_ties_only keeps the KL bound and asks that every teacher-forced top-1
-parting sit where exllamav3's top-2 margin is under TIE[dtype]. MoE rows also say where the routers sit on near ties (moe_routing.py), so that a gate row that fails can
+bf16 vs fp16) are reported too. gate_partings keeps the KL bound and counts the teacher-forced top-1 partings where
+exllamav3's top-2 margin is TIE[dtype] or more: at most as many as the floor's (a correct bf16 engine parts beyond one
+bf16 step too: transformers bf16 against fp16 did at up to 0.70 nats on the MoE, 0.20 on the dense models). MoE rows also say where the routers sit on near ties (moe_routing.py), so that a gate row that fails can
 be read.
 """
 from __future__ import annotations
@@ -142,15 +143,19 @@ def main() -> None:
                     gaps = gaps_of(os.path.join(a.corpus, name), torch.load(os.path.join(a.ref, "tokens.pt")))
                 g.update(routing_note(gaps, worst))
             max_kl, min_top1 = GATES.get(run["dtype"], (1e-3, 0.99))
-            floor_kl = floor_top1 = None
+            floor_kl = floor_top1 = floor_parted = None
             if run["dtype"] in dense:
-                floor_kl, floor_top1 = kl_rows(ref[:-1], torch.log_softmax(dense[run["dtype"]][:-1, :vocab], -1))
+                floor_lp = torch.log_softmax(dense[run["dtype"]][:-1, :vocab], -1)
+                floor_kl, floor_top1 = kl_rows(ref[:-1], floor_lp)
+                floor_parted = partings(ref[:-1], floor_lp, TIE[run["dtype"]])
             at_floor = min(min_top1, floor_top1 - FLOOR_SLACK) if floor_top1 is not None else min_top1
             parted = partings(ref[:-1], lp, TIE[run["dtype"]])
+            beyond_floor = floor_parted["parted_beyond_tie"] if floor_parted else 0
             row.update(floor_kl=floor_kl, floor_top1=floor_top1, own_dtype_floor=own.get(run["dtype"]),
                        gate_at_floor=bool(kl <= max_kl and top1 >= at_floor and not g["greedy_mismatches"]),
-                       **parted, gate_ties_only=bool(kl <= max_kl and not parted["parted_beyond_tie"]
-                                                     and not g["greedy_mismatches"]))
+                       **parted, floor_parted=floor_parted,
+                       gate_partings=bool(kl <= max_kl and parted["parted_beyond_tie"] <= beyond_floor
+                                          and not g["greedy_mismatches"]))
             row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1, worst_positions=worst,
                        kl_unquantized_vs_vllm=kl_hf, top1_unquantized_vs_vllm=top1_hf, init_s=round(got["init_s"], 1),
                        eager=got["eager"], **g,
@@ -165,8 +170,8 @@ def main() -> None:
         json.dump(rows, f, indent=1)
     print(f"GATE {'PASS' if rows and all(r['gate'] for r in rows) else 'FAIL'}: "
           f"{sum(r['gate'] for r in rows)}/{len(rows)} rows; at the dtype floor: "
-          f"{sum(r.get('gate_at_floor', False) for r in rows)}/{len(rows)}; top-1 parting only at near ties: "
-          f"{sum(r.get('gate_ties_only', False) for r in rows)}/{len(rows)}")
+          f"{sum(r.get('gate_at_floor', False) for r in rows)}/{len(rows)}; partings beyond a tie at most the floor's: "
+          f"{sum(r.get('gate_partings', False) for r in rows)}/{len(rows)}")
 
 
 if __name__ == "__main__":
