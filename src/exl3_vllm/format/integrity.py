@@ -29,10 +29,11 @@ def verify(ck: Checkpoint) -> None:
     for key, spec in ck.modules.items():
         if isinstance(spec, Exl3Spec):
             vectors = [r for r in ("suh", "svh", "bias") if r in spec.tensors]
-            _no_hole(spec.tensors["trellis"])
+            _no_hole(spec.tensors["trellis"], read_tensor(spec.tensors["trellis"]))
         elif isinstance(spec, EmbeddingSpec):
-            _no_hole(spec.tensors["trellis"])
-            scales = emb.row_scales(read_tensor(spec.tensors["trellis"]), spec.hidden // emb.GROUP)
+            trellis = read_tensor(spec.tensors["trellis"])
+            _no_hole(spec.tensors["trellis"], trellis)
+            scales = emb.row_scales(trellis, spec.hidden // emb.GROUP)
             bad = (~torch.isfinite(scales)).any(1).nonzero()
             if bad.numel():
                 raise Exl3FormatError(f"{bad.numel()} rows have a NaN or Inf scale (first: row {int(bad[0])})",
@@ -52,8 +53,8 @@ def verify(ck: Checkpoint) -> None:
                                       fix=DAMAGED)
 
 
-def _no_hole(info: TensorInfo) -> None:
-    b = read_tensor(info).contiguous().view(torch.uint8).reshape(-1)
+def _no_hole(info: TensorInfo, trellis: torch.Tensor) -> None:
+    b = trellis.contiguous().view(torch.uint8).reshape(-1)
     blocks = b[: b.numel() // HOLE * HOLE].view(-1, HOLE)  # a run of 2 * HOLE zeros fills one aligned block
     zero = (blocks == 0).all(1).nonzero()
     if zero.numel():

@@ -62,10 +62,11 @@ def layout_digest(checkpoint: Checkpoint) -> str:
 def _key_compile_cache(hf_config, checkpoint: Checkpoint) -> None:
     """vLLM keys its compiled-graph cache on config.json, which two conversions into one directory can share while
     their layers differ: the headers' digest joins the quantization_config it hashes."""
+    digest = layout_digest(checkpoint)
     for cfg in (hf_config, getattr(hf_config, "text_config", None)):
         qc = getattr(cfg, "quantization_config", None)
         if isinstance(qc, dict):
-            qc[LAYOUT_KEY] = layout_digest(checkpoint)
+            qc[LAYOUT_KEY] = digest
 
 
 @register_quantization_config("exl3")
