@@ -141,7 +141,7 @@ class Exl3LinearMethod(LinearMethodBase):
         else:
             params["suh"] = torch.empty(nshard, k_param, dtype=torch.float16)
             params["svh"] = torch.empty(n_total, dtype=torch.float16)
-        for code in sorted({s.codebook for s in self.specs} - {"3inst"}):
+        for code in sorted({s.codebook for s in self.specs} & cb.MARKER_VALUES.keys()):
             params[code] = torch.empty((), dtype=torch.int32)
         layer.exl3 = LinearState(plan, layout, k_start)
         for name, data in params.items():
@@ -314,7 +314,7 @@ class SlicedExl3LinearMethod(LinearMethodBase):
         h = torch.nn.Module()
         names = {"su", "sv"} if specs[0].legacy_signs else {"suh", "svh"}
         names |= {"trellis"}
-        names |= {sp.codebook for sp in specs} - {"3inst"}
+        names |= {sp.codebook for sp in specs} & cb.MARKER_VALUES.keys()
         for name in sorted(names):
             p = torch.nn.Parameter(torch.empty(0), requires_grad=False)
             set_weight_attrs(p, {"weight_loader": lambda *args, **kwargs: None})
