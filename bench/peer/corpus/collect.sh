@@ -2,7 +2,7 @@
 # Wait for pipeline.sh (at most WAIT_S seconds, default 500), then copy what the corpus made into $OUT:
 # log.txt, results.tar.xz (convert.json, ex3.json, the per-job logs), fixture.tar (the fixture checkpoints and every
 # checkpoint's 96-token exllamav3 logits), with PACK_EXT=1 exllamav3's built extension (ext.so.xz.partNN), and the
-# converted checkpoints (ckpts.tar.partNN, 15 MiB parts) as far as the return limit allows.
+# converted checkpoints (ckpts.tar.partNN, 15 MiB parts; CKPTS names which) as far as the return limit allows.
 set -u
 C=/tmp/corpus
 OUT=${OUT:-/tmp/corpus-out}
@@ -28,7 +28,9 @@ if [ "${PACK_EXT:-0}" = 1 ]; then
 fi
 if [ "${PACK_CKPTS:-1}" = 1 ] && [ -d $C/exl3 ]; then
   rm -rf $C/parts && mkdir -p $C/parts
-  (cd $C && tar -cf - --exclude='*.log' exl3) | split -b 15M -d - "$C/parts/ckpts.tar.part"
+  # CKPTS: only these checkpoints (names under exl3/), in this order; default every one.
+  SEL=exl3; [ -n "${CKPTS:-}" ] && SEL=$(for K in $CKPTS; do [ -d $C/exl3/$K ] && echo exl3/$K; done)
+  (cd $C && tar -cf - --exclude='*.log' $SEL) | split -b 15M -d - "$C/parts/ckpts.tar.part"
   for P in $C/parts/*; do
     N=$(ls "$OUT" | wc -l); B=$(du -cb "$OUT"/* | tail -n 1 | cut -f1)
     [ $N -lt 8 ] && [ $((B + $(stat -c %s "$P"))) -le $((63 * 1048576)) ] || { echo "[collect] left out $(basename $P) on"; break; }
