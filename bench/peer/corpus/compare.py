@@ -16,13 +16,17 @@ alone parts from fp16 at 1.5-2.6% of positions on these models). gate_at_floor k
 least the floor's less FLOOR_SLACK where the floor is under the top-1 bound. The same engine's own floors (fp16 vs fp32,
 bf16 vs fp16) are reported too. gate_partings keeps the KL bound and counts the teacher-forced top-1 partings where
 exllamav3's top-2 margin is TIE[dtype] or more: at most as many as the floor's (a correct bf16 engine parts beyond one
-bf16 step too: transformers bf16 against fp16 did at up to 0.70 nats on the MoE, 0.20 on the dense models). MoE rows also say where the routers sit on near ties (moe_routing.py), so that a gate row that fails can
-be read.
+bf16 step too: transformers bf16 against fp16 did at up to 0.70 nats on the MoE, 0.20 on the dense models).
+gate_vs_floor keeps the KL bound and no greedy mismatch, and asks that our top-1 partings do not outnumber the floor's
+beyond chance: an exact paired (McNemar) test over the positions where either parts, p > ALPHA. It replaces the fixed
+slack and the tie-margin count, which each failed rows of one run that the other passed (2026-12-06h).
+MoE rows also say where the routers sit on near ties (moe_routing.py), so that a gate row that fails can be read.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 import torch
@@ -34,6 +38,20 @@ GATES = {"float16": (1e-4, 0.995), "bfloat16": (1e-3, 0.99)}
 TIE = {"float16": 0.05, "bfloat16": 0.125}
 FLOOR_SLACK = 0.003  # top-1 points our engine may trail the transformers reference in the same dtype
 NEAR_TIE = 1e-3  # a router's gap between its k-th and (k+1)-th probability under which fp16 and fp32 may route apart
+ALPHA = 1e-3  # gate_vs_floor: chance of calling a correct engine worse than the floor, per row (30 rows a run)
+
+
+def paired_p(ours: list[int] | int, floor: list[int] | int) -> float:
+    """One-sided exact McNemar p-value that our top-1 partings from exllamav3 outnumber the floor's by chance.
+    Given the positions: b = ours only, c = floor's only, p = P(Binomial(b + c, 1/2) >= b). Given counts only, the
+    overlap is unknown; b - c is still the count difference d, and p is smallest when c = 0, so 2^-d bounds it (and
+    1/2 when d <= 0: then b <= (b + c) / 2)."""
+    if isinstance(ours, int) or isinstance(floor, int):
+        d = (ours if isinstance(ours, int) else len(ours)) - (floor if isinstance(floor, int) else len(floor))
+        return 0.5 if d <= 0 else 0.5 ** d
+    b, c = len(set(ours) - set(floor)), len(set(floor) - set(ours))
+    n = b + c
+    return sum(math.comb(n, i) for i in range(b, n + 1)) / 2 ** n if n else 1.0
 
 
 def kl_rows(ref_logits: torch.Tensor, got_lp: torch.Tensor, worst: list | None = None) -> tuple[float, float]:
@@ -52,9 +70,10 @@ def partings(ref_logits: torch.Tensor, got_lp: torch.Tensor, tie: float) -> dict
     dtype's rounding can make; one above it is an error."""
     lp = torch.log_softmax(ref_logits.float(), -1)
     top2 = torch.topk(lp, 2).values
-    margin = (top2[:, 0] - top2[:, 1])[lp.argmax(-1) != got_lp.float().argmax(-1)]
+    differ = lp.argmax(-1) != got_lp.float().argmax(-1)
+    margin = (top2[:, 0] - top2[:, 1])[differ]
     return {"parted": margin.numel(), "parted_margin_max": round(margin.max().item(), 4) if margin.numel() else 0.0,
-            "parted_beyond_tie": int((margin >= tie).sum())}
+            "parted_beyond_tie": int((margin >= tie).sum()), "parted_at": differ.nonzero().flatten().tolist()}
 
 
 def gaps_of(ckpt: str, ids: torch.Tensor) -> torch.Tensor:
@@ -156,6 +175,9 @@ def main() -> None:
                        **parted, floor_parted=floor_parted,
                        gate_partings=bool(kl <= max_kl and parted["parted_beyond_tie"] <= beyond_floor
                                           and not g["greedy_mismatches"]))
+            if floor_parted:
+                row["paired_p"] = paired_p(parted["parted_at"], floor_parted["parted_at"])
+                row["gate_vs_floor"] = bool(kl <= max_kl and row["paired_p"] > ALPHA and not g["greedy_mismatches"])
             row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1, worst_positions=worst,
                        kl_unquantized_vs_vllm=kl_hf, top1_unquantized_vs_vllm=top1_hf, init_s=round(got["init_s"], 1),
                        eager=got["eager"], **g,
@@ -171,7 +193,8 @@ def main() -> None:
     print(f"GATE {'PASS' if rows and all(r['gate'] for r in rows) else 'FAIL'}: "
           f"{sum(r['gate'] for r in rows)}/{len(rows)} rows; at the dtype floor: "
           f"{sum(r.get('gate_at_floor', False) for r in rows)}/{len(rows)}; partings beyond a tie at most the floor's: "
-          f"{sum(r.get('gate_partings', False) for r in rows)}/{len(rows)}")
+          f"{sum(r.get('gate_partings', False) for r in rows)}/{len(rows)}; no more partings than the floor's "
+          f"(paired, p > {ALPHA:g}): {sum(r.get('gate_vs_floor', False) for r in rows)}/{len(rows)}")
 
 
 if __name__ == "__main__":
