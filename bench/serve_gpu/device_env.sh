@@ -9,7 +9,8 @@ source "$VKIT_ROOT/env.sh"
 export OUT=${OUT:-/tmp/serve-out}; mkdir -p "$OUT"
 # A copy of src/ plus a hand-written dist-info: vLLM finds plugins by entry point, so no pip or setuptools is needed.
 PLUG=${EXL3_PLUGIN_DIR:-/tmp/exl3-plugin}  # a detached job keeps its own copy: a later call re-makes this one
-rm -rf "$PLUG" && mkdir -p "$PLUG/exl3_vllm-0.1.0.dist-info" && cp -r src/exl3_vllm "$PLUG/"
+# EXL3_SRC: another tree's src/ (e.g. `git archive OLD src | tar -x -C .dev/old`, carried) for a served A/B.
+rm -rf "$PLUG" && mkdir -p "$PLUG/exl3_vllm-0.1.0.dist-info" && cp -r "${EXL3_SRC:-src}/exl3_vllm" "$PLUG/"
 python3 - "$PLUG/exl3_vllm-0.1.0.dist-info" <<'EOF'
 import sys, tomllib
 d, p = sys.argv[1], tomllib.load(open("pyproject.toml", "rb"))["project"]
