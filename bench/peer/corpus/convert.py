@@ -124,11 +124,13 @@ def main() -> None:
     ap.add_argument("--set", default="full", choices=("fixture", "sample", "gate", "full"))
     ap.add_argument("--only", default="")
     ap.add_argument("--jobs", type=int, default=4)
-    ap.add_argument("--skip-set", default="", help="leave out the jobs of this set (done by an earlier run)")
+    ap.add_argument("--skip-set", default="", help="leave out the jobs of these sets, comma-separated (done by an "
+                                                   "earlier run: --set full --skip-set gate is the rest)")
     ap.add_argument("--list", action="store_true", help="print the chosen job names and exit")
     args = ap.parse_args()
+    skips = set(filter(None, args.skip_set.split(",")))
     names = args.only.split(",") if args.only else [n for n, j in JOBS.items() if args.set in j[2].split()
-                                                    and args.skip_set not in j[2].split()]
+                                                    and not skips & set(j[2].split())]
     if args.list:
         print(",".join(names))
         return
