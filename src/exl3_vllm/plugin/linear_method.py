@@ -58,23 +58,63 @@ class Exl3LinearMethod(LinearMethodBase):
                 f"vLLM fuses {[x.key for x in specs]} into one layer, but only some of them store legacy su/sv "
                 "sign vectors", file=config.checkpoint.path, tensor=prefix,
                 fix="re-convert the model with one exllamav3 version")
+        self.owner = list(range(len(specs)))  # per vLLM partition: its checkpoint module (create_weights may spread)
         self.groups = shard_groups(specs)
         self.widths = [specs[g[0]].tensors["trellis"].shape[2] for g in self.groups]
         self.legacy = specs[0].legacy_signs
+
+    def _spread(self, kind: str, parts: list[int], tp_size: int) -> list[int]:
+        """When vLLM makes more output partitions than the checkpoint has modules (a module holding several of
+        them, loaded with a tuple shard id), assign the partitions to modules in order by their full widths; each
+        partition becomes a shard of its own, and its column offset in its module is returned."""
+        specs, path = self.specs, self.config.checkpoint.path
+        full = [p * tp_size for p in parts] if kind == "column" else parts
+        owner, offsets, i = [], [], 0
+        for j, spec in enumerate(specs):
+            used = 0
+            while i < len(parts) and used < spec.n:
+                owner.append(j)
+                offsets.append(used)
+                used += full[i]
+                i += 1
+            if used != spec.n:
+                raise Exl3FormatError(f"vLLM gives {len(parts)} output partitions {full} for {self.prefix!r}, which "
+                                      f"do not divide the checkpoint's {len(specs)} modules "
+                                      f"({', '.join(f'{s.key}: n={s.n}' for s in specs)})",
+                                      file=path, tensor=spec.key, fix="the checkpoint does not belong to this model config")
+        if i != len(parts):
+            raise Exl3FormatError(f"vLLM gives {len(parts)} output partitions for {self.prefix!r} but the checkpoint "
+                                  f"has {len(specs)} modules for it", file=path, tensor=self.prefix)
+        bad = [(specs[owner[k]].key, parts[k]) for k in range(len(parts)) if parts[k] % HAD]
+        if bad:
+            raise Exl3FormatError(f"{self.prefix}: the part of {bad[0][0]} vLLM takes is {bad[0][1]} columns wide "
+                                  f"(per rank at tensor_parallel_size={tp_size}); EXL3 can only cut a module on "
+                                  "multiples of 128 columns", file=path, tensor=bad[0][0],
+                                  fix="serve it with a tensor-parallel size that keeps each part a multiple of 128")
+        self.owner = owner
+        self.specs = [specs[j] for j in owner]
+        self.groups = shard_groups(self.specs)
+        self.widths = [self.specs[g[0]].tensors["trellis"].shape[2] for g in self.groups]
+        return offsets
 
     # ---- weights -----------------------------------------------------------------------------
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
         kind = _kind(layer)
         tp_rank, tp_size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
-        if len(output_partition_sizes) != len(self.specs):
-            raise Exl3FormatError(f"vLLM gives {len(output_partition_sizes)} output partitions for "
-                                  f"{self.prefix!r} but the checkpoint has {len(self.specs)} modules for it",
-                                  file=self.config.checkpoint.path, tensor=self.prefix)
+        spread = len(output_partition_sizes) != len(self.specs)
+        offsets = self._spread(kind, list(output_partition_sizes), tp_size) if spread else None
         replicas = getattr(layer, "num_kv_head_replicas", 1)
         plan = []  # per shard: (ckpt column tile offset, param column offset, width, logical width)
         col = 0
         for i, (spec, part) in enumerate(zip(self.specs, output_partition_sizes)):
+            if spread:
+                # One of several vLLM partitions cut from one checkpoint module (Qwen3.5's in_proj_qkv: q, k, v).
+                logical_k = input_size_per_partition
+                width, start = part, offsets[i] + tp_rank * part
+                plan.append((start, col, width, part))
+                col += width
+                continue
             if self.window is not None:
                 logical_k = self.window[1]
                 width, start = self.window[3], self.window[2]
@@ -176,7 +216,13 @@ class Exl3LinearMethod(LinearMethodBase):
 
     def _loader(self, layer, name: str):
         def load(param, loaded_weight: torch.Tensor, shard_id=None, *args, **kwargs):
-            s = self._shard_index(shard_id)
+            if isinstance(shard_id, tuple) and len(self.owner) != len(set(self.owner)):
+                for s in shard_id:  # one checkpoint module holding several partitions: each takes its columns
+                    load_one(param, loaded_weight, s)
+                return
+            load_one(param, loaded_weight, self._shard_index(shard_id))
+
+        def load_one(param, loaded_weight: torch.Tensor, s: int):
             spec = self.specs[s]
             src_start, dst_col, width, _ = layer.exl3.shards[s]
             k0 = layer.exl3.k_start
