@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
 import torch  # noqa: E402
-from ckpt_builder import linear_tensors, make_ckpt, storage_entry  # noqa: E402
+from ckpt_builder import linear_tensors, make_ckpt, storage_entry, tensor  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from exl3_vllm.format.checkpoint import Checkpoint  # noqa: E402
@@ -25,6 +25,10 @@ def ckpt(tmp_path_factory):
     c = make_ckpt()
     rng = np.random.default_rng(7)
     extra = {**linear_tensors(QKV, K, 768, rng, bits=4), **linear_tensors(Z, K, 256, rng, bits=3)}
+    # What exllamav3 writes beside them, raw and outside tensor_storage (docs/format.md 1.9).
+    extra.update({"model.layers.0.linear_attn.A_log": tensor("F32", [4], rng),
+                  "model.layers.0.linear_attn.dt_bias": tensor("F16", [4], rng),
+                  "model.layers.0.linear_attn.conv1d.weight": tensor("F16", [768, 1, 4], rng)})
     c.tensors.update(extra)
     for key in (QKV, Z):
         c.qcfg["tensor_storage"][key] = storage_entry(key, c.tensors)
@@ -68,6 +72,11 @@ def test_partitions_cut_from_one_module_match_the_reference(ckpt, tp_rank, tp_si
     want = torch.cat([cols(ref[QKV], 0), cols(ref[QKV], 256), cols(ref[QKV], 512), cols(ref[Z], 0)], dim=1)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_raw_gated_delta_net_tensors_read_without_warnings(ckpt):
+    assert not [w for w in ckpt.warnings if "linear_attn" in w or "tensor_storage" in w], ckpt.warnings
+    assert ckpt.modules["model.layers.0.linear_attn.conv1d"].shape == (768, 1, 4)
 
 
 def test_partitions_that_do_not_divide_the_modules_are_refused(ckpt):
