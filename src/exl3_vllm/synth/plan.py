@@ -28,9 +28,11 @@ MULTIPLIERS = {"mul1": cb.MUL1_MULT, "mcg": cb.MCG_MULT}
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3_5ForCausalLM": "qwen3_5",
 }
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+# Where the decoder lives: exllamav3 writes Qwen3.5 under model.language_model even for the text-only model.
+ROOTS = {"qwen3_5": "model.language_model"}
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class Plan:
         }
 
     def tensor_storage(self) -> dict:
-        return {m.key: m.storage_entry() for m in self.modules}
+        return {m.key: m.storage_entry() for m in self.modules if m.kind != "raw"}
 
 
 # ---- argument checking -----------------------------------------------------------------------
@@ -226,17 +228,56 @@ def _int(config: dict, key: str, default=None) -> int:
     return v
 
 
+def _gdn_modules(c: dict, p: str) -> list[tuple]:
+    """A Qwen3.5 gated-delta-net layer's linear attention as exllamav3 writes it: in_proj_qkv and in_proj_z EXL3,
+    in_proj_b/a fp16, conv1d, A_log and dt_bias raw ("raw": a tensor with no module suffix)."""
+    hidden = _int(c, "hidden_size")
+    nk, nv = _int(c, "linear_num_key_heads"), _int(c, "linear_num_value_heads")
+    dk, dv = _int(c, "linear_key_head_dim"), _int(c, "linear_value_head_dim")
+    conv = 2 * nk * dk + nv * dv
+    a = f"{p}.linear_attn"
+    return [("lin", f"{a}.in_proj_qkv", hidden, conv, False, "attn"),
+            ("lin", f"{a}.in_proj_z", hidden, nv * dv, False, "attn"),
+            ("dense", f"{a}.in_proj_b", (nv, hidden), "normal"),
+            ("dense", f"{a}.in_proj_a", (nv, hidden), "normal"),
+            ("dense", f"{a}.conv1d", (conv, 1, _int(c, "linear_conv_kernel_dim")), "normal"),
+            ("raw", f"{a}.A_log", (nv,), "F32"),
+            ("raw", f"{a}.dt_bias", (nv,), "F16"),
+            ("dense", f"{a}.norm", (dv,), "norm"),
+            ("lin", f"{a}.out_proj", nv * dv, hidden, False, "attn")]
+
+
 def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
-    """Decoder layer i in execution order: ("lin", key, in, out, bias, role) or ("dense", key, shape, role)."""
+    """Decoder layer i in execution order: ("lin", key, in, out, bias, role), ("dense", key, shape, role) or
+    ("raw", name, shape, dtype)."""
     hidden = _int(c, "hidden_size")
     heads = _int(c, "num_attention_heads")
     kv = _int(c, "num_key_value_heads", heads)
     hd = c.get("head_dim") or hidden // heads
     if type(hd) is not int or hd <= 0:
         raise Exl3FormatError(f"config field 'head_dim' must be a positive integer, got {hd!r}")
-    p = f"model.layers.{i}"
+    p = f"{ROOTS.get(arch, 'model')}.layers.{i}"
     attn_bias = arch in ("qwen2", "qwen2_moe") or (arch != "mixtral" and bool(c.get("attention_bias", False)))
     o_bias = attn_bias and arch not in ("qwen2", "qwen2_moe")
+    if arch == "qwen3_5":
+        types = c.get("layer_types")
+        if not isinstance(types, list) or len(types) != _int(c, "num_hidden_layers"):
+            raise Exl3FormatError("config field 'layer_types' must list one type per layer for Qwen3.5")
+        out = [("dense", f"{p}.input_layernorm", (hidden,), "norm")]
+        if types[i] == "linear_attention":
+            out += _gdn_modules(c, p)
+        else:  # q_proj carries each head's output gate beside its query (2 x heads x head_dim rows)
+            out += [("lin", f"{p}.self_attn.q_proj", hidden, 2 * heads * hd, False, "attn"),
+                    ("lin", f"{p}.self_attn.k_proj", hidden, kv * hd, False, "attn"),
+                    ("lin", f"{p}.self_attn.v_proj", hidden, kv * hd, False, "attn"),
+                    ("dense", f"{p}.self_attn.q_norm", (hd,), "norm"),
+                    ("dense", f"{p}.self_attn.k_norm", (hd,), "norm"),
+                    ("lin", f"{p}.self_attn.o_proj", heads * hd, hidden, False, "attn")]
+        inter = _int(c, "intermediate_size")
+        return out + [("dense", f"{p}.post_attention_layernorm", (hidden,), "norm"),
+                      ("lin", f"{p}.mlp.gate_proj", hidden, inter, False, "mlp"),
+                      ("lin", f"{p}.mlp.up_proj", hidden, inter, False, "mlp"),
+                      ("lin", f"{p}.mlp.down_proj", inter, hidden, False, "mlp")]
     out = [("dense", f"{p}.input_layernorm", (hidden,), "norm"),
            ("lin", f"{p}.self_attn.q_proj", hidden, heads * hd, attn_bias, "attn"),
            ("lin", f"{p}.self_attn.k_proj", hidden, kv * hd, attn_bias, "attn"),
@@ -312,6 +353,13 @@ def _dense_module(key, shape, role) -> ModulePlan:
     return m
 
 
+def _raw_tensor(name, shape, dtype) -> ModulePlan:
+    """A parameter stored under its own name (Qwen3.5's A_log, dt_bias), outside tensor_storage as exllamav3 has it."""
+    m = ModulePlan(name, "raw", "normal")
+    m.tensors.append(TensorPlan(name, dtype, tuple(shape), "normal"))
+    return m
+
+
 def _embedding_module(key: str, vocab: int, hidden: int, bits: int) -> ModulePlan:
     """A quantized token embedding as exllamav3 >= 1.6 writes it (format/embedding.py)."""
     m = ModulePlan(key, "exl3_embedding", "embed", in_features=hidden, out_features=vocab, bits=bits, codebook="mul1")
@@ -367,12 +415,15 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
                 return b, code
         return bits, codebook
 
-    modules = [_dense_module("model.embed_tokens", (vocab, hidden), "embed") if embed_bits == 16
-               else _embedding_module("model.embed_tokens", vocab, hidden, embed_bits)]
+    root = ROOTS.get(arch, "model")
+    modules = [_dense_module(f"{root}.embed_tokens", (vocab, hidden), "embed") if embed_bits == 16
+               else _embedding_module(f"{root}.embed_tokens", vocab, hidden, embed_bits)]
     for i in range(layers):
         for item in _layer_modules(arch, config, i):
             if item[0] == "dense":
                 modules.append(_dense_module(*item[1:]))
+            elif item[0] == "raw":
+                modules.append(_raw_tensor(*item[1:]))
             else:
                 _, key, k_in, n_out, bias, role = item
                 proj = key.rsplit(".", 1)[-1]
@@ -386,7 +437,7 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
                         modules.append(_exl3_module(f"{key}.slice.{j}", kk, nn, False, role, *choose(key)))
                     continue
                 modules.append(_exl3_module(key, k_in, n_out, bias, role, *choose(key)))
-    modules.append(_dense_module("model.norm", (hidden,), "norm"))
+    modules.append(_dense_module(f"{root}.norm", (hidden,), "norm"))
     if head_bits == 16:
         # The converter stores a 16-bit head like any unquantized linear: rows padded to a multiple of 128.
         modules.append(_dense_module(HEAD_KEY, (-(-vocab // HAD) * HAD, hidden), "head"))

@@ -49,6 +49,15 @@ PRESETS: dict[str, dict] = {
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", intermediate_size=512,
         max_window_layers=2, rope_scaling=None, sliding_window=None, use_sliding_window=False,
     ),
+    # Qwen3.5's text model: gated-delta-net (linear attention) layers and a full-attention layer with an output gate.
+    "tiny-qwen3.5": _tiny(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", intermediate_size=512, num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        full_attention_interval=4, num_attention_heads=2, num_key_value_heads=1, head_dim=128, attn_output_gate=True,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, partial_rotary_factor=0.25, mtp_num_hidden_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    ),
     "tiny-qwen3-moe": _tiny(
         architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", intermediate_size=512,
         moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,

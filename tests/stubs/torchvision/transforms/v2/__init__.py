@@ -1,0 +1,1 @@
+from torchvision import ImageReadMode, InterpolationMode, __getattr__  # noqa: F401
