@@ -81,7 +81,8 @@ class Exl3LinearMethod(LinearMethodBase):
                 raise Exl3FormatError(f"vLLM gives {len(parts)} output partitions {full} for {self.prefix!r}, which "
                                       f"do not divide the checkpoint's {len(specs)} modules "
                                       f"({', '.join(f'{s.key}: n={s.n}' for s in specs)})",
-                                      file=path, tensor=spec.key, fix="the checkpoint does not belong to this model config")
+                                      file=path, tensor=spec.key,
+                                      fix="the checkpoint does not belong to this model config")
         if i != len(parts):
             raise Exl3FormatError(f"vLLM gives {len(parts)} output partitions for {self.prefix!r} but the checkpoint "
                                   f"has {len(specs)} modules for it", file=path, tensor=self.prefix)

@@ -58,7 +58,7 @@ class TensorPlan:
 class ModulePlan:
     """One leaf module: an EXL3 linear or an unquantized module (norm, embedding, router, fp16 head)."""
     key: str
-    kind: str  # exl3 | dense | exl3_embedding
+    kind: str  # exl3 | dense | exl3_embedding | raw (a bare parameter tensor)
     role: str  # attn | mlp | expert | head | embed | norm | router
     in_features: int = 0
     out_features: int = 0
