@@ -19,11 +19,26 @@ def engine_env(tp: int = 1) -> dict:
     return e
 
 
+def _args(model, dtype, prompts, max_tokens, tp, extra):
+    return [sys.executable, os.path.join(HERE, "vllm_runner.py"), model, dtype, json.dumps(prompts), str(max_tokens),
+            str(tp)] + ([json.dumps(extra)] if extra else [])
+
+
 def run_engine(model, dtype, prompts, max_tokens, tp=1, extra=None, env=None, timeout=600):
     """The finished subprocess; extra adds LLM(...) arguments, env adds environment variables."""
-    args = [sys.executable, os.path.join(HERE, "vllm_runner.py"), model, dtype, json.dumps(prompts), str(max_tokens),
-            str(tp)] + ([json.dumps(extra)] if extra else [])
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=dict(engine_env(tp), **(env or {})))
+    return subprocess.run(_args(model, dtype, prompts, max_tokens, tp, extra), capture_output=True, text=True,
+                          timeout=timeout, env=dict(engine_env(tp), **(env or {})))
+
+
+def start_engine(model, dtype, prompts, max_tokens, tp=1, extra=None, env=None):
+    """run_engine in the background (engine start-up is mostly one core's work, so two overlap well); finish() it."""
+    return subprocess.Popen(_args(model, dtype, prompts, max_tokens, tp, extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(engine_env(tp), **(env or {})))
+
+
+def finish(proc, timeout=600):
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def results(proc):

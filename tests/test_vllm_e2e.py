@@ -14,7 +14,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed (the README's s
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine import results, run_engine  # noqa: E402
+from engine import finish, results, run_engine, start_engine  # noqa: E402
 from exl3_vllm.synth import synthesize  # noqa: E402
 
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w5 w600 w7 w8 w9 w10 w11", "w999 w3"]
@@ -57,12 +57,15 @@ def model_pair(request, tmp_path_factory):
     # A quantized token embedding (exllamav3's --embed_bits); the dense twin holds its decoded table.
     synthesize(request.param, q, bits=4, head_bits=6, bits_map=str(bits_map), seed=1, also_dense=d,
                dense_dtype="float32", embed_bits=4)
-    return q, d
+    # Both dtypes' engines at once: start-up is mostly one core's work, so the two overlap.
+    bf16 = start_engine(q, "bfloat16", PROMPTS, MAX_TOKENS)
+    runs = {"float32": run_vllm(q, "float32"), "bfloat16": results(finish(bf16))}
+    return q, d, runs
 
 
 def test_greedy_tokens_and_prompt_logprobs_match_dense_oracle_fp32(model_pair):
-    q, d = model_pair
-    for res in run_vllm(q, "float32"):
+    q, d, runs = model_pair
+    for res in runs["float32"]:
         lp = hf_oracle(d, res["prompt_ids"], res["tokens"], torch.float32)
         n = len(res["prompt_ids"])
         oracle_tokens = []
@@ -81,9 +84,9 @@ def test_greedy_tokens_and_prompt_logprobs_match_dense_oracle_fp32(model_pair):
 
 
 def test_bf16_tokens_match_until_a_near_tie(model_pair):
-    q, d = model_pair
+    q, d, runs = model_pair
     tol = 0.1  # bf16 logit noise bound; tokens are compared only while the oracle's top-2 margin exceeds it
-    for res in run_vllm(q, "bfloat16"):
+    for res in runs["bfloat16"]:
         n = len(res["prompt_ids"])
         model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
         ids = torch.tensor([res["prompt_ids"] + res["tokens"]])
@@ -146,6 +149,7 @@ def test_sliced_mlp_and_quantized_embedding_match_the_oracle_and_tp2_equals_tp1(
     synthesize(cfg, q, bits=4, head_bits=6, seed=9, also_dense=d, dense_dtype="float32", mlp_slices=3, embed_bits=5,
                bits_map={"model.layers.0.mlp.down_proj": 3, "model.layers.1.mlp.gate_proj": {"bits": 5, "codebook": "mcg"},
                          "model.layers.1.self_attn.q_proj": 5, "model.layers.0.self_attn.*": 3})
+    tp2_proc = start_engine(q, "float32", PROMPTS, MAX_TOKENS, tp=2)  # beside TP=1's engine (see model_pair)
     tp1 = run_vllm(q, "float32")
     for r in tp1:
         # Teacher-forced (this random model's greedy path runs into EOS, which generate(min_new_tokens) forbids).
@@ -156,7 +160,7 @@ def test_sliced_mlp_and_quantized_embedding_match_the_oracle_and_tp2_equals_tp1(
         for i, tok in enumerate(r["tokens"]):
             top2 = torch.topk(lp[n - 1 + i], 2)
             assert tok == int(top2.indices[0]) or (top2.values[0] - top2.values[1]).item() < 1e-4, (i, tok)
-    tp2 = run_vllm(q, "float32", tp=2)
+    tp2 = results(finish(tp2_proc))
     for a, b in zip(tp1, tp2):
         assert a["tokens"] == b["tokens"]
         assert max(abs(x - y) for x, y in zip(a["prompt_logprobs"], b["prompt_logprobs"])) < 1e-4

@@ -1,7 +1,9 @@
-"""Qwen3.5 (gated-delta-net linear attention beside gated full attention) with EXL3 linears on vLLM's CPU engine,
-against the dense twin in transformers (fp32). The GDN layers' in_proj_qkv feeds three of vLLM's four in_proj_qkvz
-parts (docs/format.md 1.9). vLLM's CPU GDN kernel runs bf16 only; the engine needs tests/stubs on its path
-(tests/stubs/torchvision says why)."""
+"""Qwen3.5 (gated-delta-net linear attention beside gated full attention) with EXL3 linears on vLLM's CPU engine:
+against the dense twin in transformers (fp32), and with its EXL3 MTP draft under speculative decoding (issue 46).
+The GDN layers' in_proj_qkv feeds three of vLLM's four in_proj_qkvz parts (docs/format.md 1.9). vLLM's CPU GDN kernel
+runs bf16 only; the engine needs tests/stubs on its path (tests/stubs/torchvision says why)."""
+import functools
+import json
 import os
 
 import pytest
@@ -10,40 +12,65 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up c
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine import results, run_engine  # noqa: E402
+from engine import finish, results, run_engine, start_engine  # noqa: E402
 from exl3_vllm.synth import synthesize  # noqa: E402
+from exl3_vllm.synth.presets import PRESETS  # noqa: E402
 
 STUBS = {"PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs") + os.pathsep
          + os.environ.get("PYTHONPATH", "")}
-PROMPTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "w10 w20 w30 w40 w50"]
+PROMPTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "w10 w20 w30 w40 w50", "w7", "w300 w2 w999 w4 w5",
+           "w8 w8 w8 w8", "w42 w43", "w1000 w1 w100 w10", "w5 w6 w7 w8 w9"]
+TOKENS = 16
 VOCAB = 1024  # the tiny presets' vocabulary
+NO_PREFIX_CACHE = {"enable_prefix_caching": False}  # vLLM's MTP drafts on Qwen3.5 need it off
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    """Seed 1: the model with one MTP layer (outside tensor_storage, as exllamav3 writes it); seed 2: an unrelated
+    model of the same shape, the scale a wrong load would reach."""
     root = tmp_path_factory.mktemp("qwen35")
+    config = root / "config.json"
+    config.write_text(json.dumps(dict(PRESETS["tiny-qwen3.5"], mtp_num_hidden_layers=1)))
     out = {}
-    for seed in (1, 2):  # seed 2: an unrelated model of the same shape, the scale a wrong load would reach
-        synthesize("tiny-qwen3.5", str(root / f"exl3-{seed}"), bits=4, head_bits=6, seed=seed,
-                   bits_map=None, also_dense=str(root / f"dense-{seed}"), dense_dtype="float32")
+    for seed in (1, 2):
+        synthesize(str(config), str(root / f"exl3-{seed}"), bits=4, head_bits=6, seed=seed,
+                   also_dense=str(root / f"dense-{seed}"), dense_dtype="float32")
         out[seed] = (str(root / f"exl3-{seed}"), str(root / f"dense-{seed}"))
     return out
 
 
+@functools.lru_cache(maxsize=2)
+def twin(dense):
+    return transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+
+
 def oracle(dense, ids):
-    model = transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
     with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        return torch.log_softmax(twin(dense)(torch.tensor([ids])).logits[0].float(), -1)
 
 
 def kl(p, q):
     return (p.exp() * (p - q)).sum(-1)
 
 
-def test_gated_delta_net_model_matches_its_dense_twin_bf16(models):
-    exl3, dense = models[1]
-    runs = results(run_engine(exl3, "bfloat16", PROMPTS, 8, extra={"full_prompt_logprobs": VOCAB}, env=STUBS))
-    for r in runs:
+SPEC = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    """Two engines at once: without speculation (every prompt's distributions and greedy tokens), and with the MTP
+    draft (the same prompts together, then each alone)."""
+    spec = start_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
+                        extra={"speculative_config": SPEC, "one_at_a_time": True, **NO_PREFIX_CACHE})
+    plain = run_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
+                       extra={"full_prompt_logprobs": VOCAB, **NO_PREFIX_CACHE})
+    return results(plain), results(finish(spec))
+
+
+def test_gated_delta_net_model_matches_its_dense_twin_bf16(models, engines):
+    dense, plain = models[1][1], engines[0]
+    for r in plain:
         ids = r["prompt_ids"]
         lp = torch.full((len(ids) - 1, VOCAB), float("-inf"))
         for t, row in enumerate(r["prompt_dists"]):
@@ -62,3 +89,25 @@ def test_gated_delta_net_model_matches_its_dense_twin_bf16(models):
                 break
             assert tok == int(top2.indices[0]), f"token {i}: vLLM {tok}, twin {int(top2.indices[0])}"
 
+
+def test_mtp_speculation_changes_no_greedy_token(models, engines):
+    """vLLM's MTP draft (method "mtp", 2 tokens) runs on the checkpoint's EXL3 mtp.* modules; verification sends
+    k + 1 rows per sequence through the main model. Greedy output must be the plain engine's up to near ties, 8
+    requests together and each alone. The draft's weights are random, so nearly all its tokens are rejected: this
+    checks that the draft runs and changes nothing, not its acceptance."""
+    plain, runs = engines
+    print("spec decode counters:", runs[0].get("spec_decode"))
+    assert runs[0]["spec_decode"]["vllm:spec_decode_num_draft_tokens"] > 0
+    for got, want in zip(runs, plain):
+        for tokens in (got["tokens"], got["alone_tokens"]):
+            equal_or_parted_at_a_tie(models[1][1], want["prompt_ids"], want["tokens"], tokens)
+
+
+def equal_or_parted_at_a_tie(dense, ids, want, got):
+    """Greedy tokens equal, or equal until a position where the two choices are within bf16's noise in the dense
+    twin (another batch sums in another order: on these near-uniform random models such ties are common)."""
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            lp = oracle(dense, ids + want[:i])[-1]
+            assert abs(lp[a] - lp[b]).item() < 0.1, f"token {i}: {b} instead of {a}, {abs(lp[a] - lp[b]).item():.3f} apart"
+            return

@@ -24,6 +24,10 @@ if __name__ == "__main__":
     full = kwargs.pop("full_prompt_logprobs", 0)
     if full:
         kwargs["max_logprobs"] = full
+    # "one_at_a_time": also generate each prompt alone (concurrency 1) in the same engine, as "alone_tokens".
+    alone = kwargs.pop("one_at_a_time", False)
+    if kwargs.get("speculative_config"):
+        kwargs.setdefault("disable_log_stats", False)  # the spec-decode counters reported below
     llm = LLM(model=model, dtype=dtype, max_model_len=256, max_num_seqs=8, seed=0,
               **{"enforce_eager": True, **kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
@@ -37,4 +41,10 @@ if __name__ == "__main__":
                         "prompt_logprobs": prompt_lp})
         if full:
             results[-1]["prompt_dists"] = [[[t, v.logprob] for t, v in lp.items()] for lp in out.prompt_logprobs[1:]]
+    if alone:
+        for r, p in zip(results, prompts):
+            r["alone_tokens"] = list(llm.generate([p], params)[0].outputs[0].token_ids)
+    if kwargs.get("speculative_config"):
+        counts = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
+        results[0]["spec_decode"] = {k: v for k, v in counts.items() if isinstance(v, (int, float))}
     print("RESULT " + json.dumps(results), flush=True)

@@ -68,6 +68,7 @@ class ModulePlan:
     codebook: str | None = None
     bias: bool = False
     tensors: list[TensorPlan] = field(default_factory=list)
+    listed: bool = True  # in quantization_config.json's tensor_storage (exllamav3 leaves MTP modules out)
 
     @property
     def is_head(self) -> bool:
@@ -130,10 +131,12 @@ class Plan:
             "calibration": dict(CALIBRATION),
             "out_scales": "always",
             "codebook": self.codebook,
+            **({"mtp_bits": mtp[0].bits} if (mtp := [m for m in self.exl3_modules() if m.key.startswith("mtp.")])
+               else {}),
         }
 
     def tensor_storage(self) -> dict:
-        return {m.key: m.storage_entry() for m in self.modules if m.kind != "raw"}
+        return {m.key: m.storage_entry() for m in self.modules if m.kind != "raw" and m.listed}
 
 
 # ---- argument checking -----------------------------------------------------------------------
@@ -247,6 +250,39 @@ def _gdn_modules(c: dict, p: str) -> list[tuple]:
             ("lin", f"{a}.out_proj", nv * dv, hidden, False, "attn")]
 
 
+def _qwen3_5_attention(c: dict, p: str) -> list[tuple]:
+    """Qwen3.5's full attention: q_proj carries each head's output gate beside its query (2 x heads x head_dim)."""
+    hidden, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
+    kv, hd = _int(c, "num_key_value_heads", heads), _int(c, "head_dim")
+    return [("lin", f"{p}.self_attn.q_proj", hidden, 2 * heads * hd, False, "attn"),
+            ("lin", f"{p}.self_attn.k_proj", hidden, kv * hd, False, "attn"),
+            ("lin", f"{p}.self_attn.v_proj", hidden, kv * hd, False, "attn"),
+            ("dense", f"{p}.self_attn.q_norm", (hd,), "norm"),
+            ("dense", f"{p}.self_attn.k_norm", (hd,), "norm"),
+            ("lin", f"{p}.self_attn.o_proj", heads * hd, hidden, False, "attn")]
+
+
+def _qwen3_5_mlp(c: dict, p: str) -> list[tuple]:
+    hidden, inter = _int(c, "hidden_size"), _int(c, "intermediate_size")
+    return [("dense", f"{p}.post_attention_layernorm", (hidden,), "norm"),
+            ("lin", f"{p}.mlp.gate_proj", hidden, inter, False, "mlp"),
+            ("lin", f"{p}.mlp.up_proj", hidden, inter, False, "mlp"),
+            ("lin", f"{p}.mlp.down_proj", inter, hidden, False, "mlp")]
+
+
+def _qwen3_5_mtp(c: dict) -> list[tuple]:
+    """Qwen3.5's MTP draft as exllamav3 writes it (mtp_num_hidden_layers > 0): fc over [embedding; hidden], then
+    full-attention layers, all outside tensor_storage."""
+    hidden = _int(c, "hidden_size")
+    out = [("dense", "mtp.pre_fc_norm_embedding", (hidden,), "norm"),
+           ("dense", "mtp.pre_fc_norm_hidden", (hidden,), "norm"),
+           ("lin", "mtp.fc", 2 * hidden, hidden, False, "mtp")]
+    for j in range(c.get("mtp_num_hidden_layers") or 0):
+        p = f"mtp.layers.{j}"
+        out += [("dense", f"{p}.input_layernorm", (hidden,), "norm")] + _qwen3_5_attention(c, p) + _qwen3_5_mlp(c, p)
+    return out + [("dense", "mtp.norm", (hidden,), "norm")]
+
+
 def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
     """Decoder layer i in execution order: ("lin", key, in, out, bias, role), ("dense", key, shape, role) or
     ("raw", name, shape, dtype)."""
@@ -264,20 +300,8 @@ def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
         if not isinstance(types, list) or len(types) != _int(c, "num_hidden_layers"):
             raise Exl3FormatError("config field 'layer_types' must list one type per layer for Qwen3.5")
         out = [("dense", f"{p}.input_layernorm", (hidden,), "norm")]
-        if types[i] == "linear_attention":
-            out += _gdn_modules(c, p)
-        else:  # q_proj carries each head's output gate beside its query (2 x heads x head_dim rows)
-            out += [("lin", f"{p}.self_attn.q_proj", hidden, 2 * heads * hd, False, "attn"),
-                    ("lin", f"{p}.self_attn.k_proj", hidden, kv * hd, False, "attn"),
-                    ("lin", f"{p}.self_attn.v_proj", hidden, kv * hd, False, "attn"),
-                    ("dense", f"{p}.self_attn.q_norm", (hd,), "norm"),
-                    ("dense", f"{p}.self_attn.k_norm", (hd,), "norm"),
-                    ("lin", f"{p}.self_attn.o_proj", heads * hd, hidden, False, "attn")]
-        inter = _int(c, "intermediate_size")
-        return out + [("dense", f"{p}.post_attention_layernorm", (hidden,), "norm"),
-                      ("lin", f"{p}.mlp.gate_proj", hidden, inter, False, "mlp"),
-                      ("lin", f"{p}.mlp.up_proj", hidden, inter, False, "mlp"),
-                      ("lin", f"{p}.mlp.down_proj", inter, hidden, False, "mlp")]
+        out += _gdn_modules(c, p) if types[i] == "linear_attention" else _qwen3_5_attention(c, p)
+        return out + _qwen3_5_mlp(c, p)
     out = [("dense", f"{p}.input_layernorm", (hidden,), "norm"),
            ("lin", f"{p}.self_attn.q_proj", hidden, heads * hd, attn_bias, "attn"),
            ("lin", f"{p}.self_attn.k_proj", hidden, kv * hd, attn_bias, "attn"),
@@ -438,6 +462,11 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
                     continue
                 modules.append(_exl3_module(key, k_in, n_out, bias, role, *choose(key)))
     modules.append(_dense_module(f"{root}.norm", (hidden,), "norm"))
+    if arch == "qwen3_5":
+        for item in _qwen3_5_mtp(config):
+            m = _dense_module(*item[1:]) if item[0] == "dense" else _exl3_module(*item[1:], *choose(item[1]))
+            m.listed = False
+            modules.append(m)
     if head_bits == 16:
         # The converter stores a 16-bit head like any unquantized linear: rows padded to a multiple of 128.
         modules.append(_dense_module(HEAD_KEY, (-(-vocab // HAD) * HAD, hidden), "head"))
