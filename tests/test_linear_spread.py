@@ -72,6 +72,8 @@ def test_partitions_cut_from_one_module_match_the_reference(ckpt, tp_rank, tp_si
     want = torch.cat([cols(ref[QKV], 0), cols(ref[QKV], 256), cols(ref[QKV], 512), cols(ref[Z], 0)], dim=1)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # q, k and v share in_proj_qkv's suh: one kernel shard for the three (in_proj_z has another K: its own group).
+    assert [g[3] for g in layer.exl3.groups] == [[3 * part], [part]]
 
 
 def test_the_raw_gated_delta_net_tensors_read_without_warnings(ckpt):

@@ -41,6 +41,11 @@ NEAR_TIE = 1e-3  # a router's gap between its k-th and (k+1)-th probability unde
 ALPHA = 1e-3  # gate_vs_floor: chance of calling a correct engine worse than the floor, per row (30 rows a run)
 
 
+def vs_floor(dtype: str, kl: float, p: float, greedy_mismatches: int) -> bool:
+    """gate_vs_floor's verdict: the dtype's KL bound, partings no more than the floor's beyond chance, greedy exact."""
+    return bool(kl <= GATES.get(dtype, (1e-3, 0.99))[0] and p > ALPHA and not greedy_mismatches)
+
+
 def paired_p(ours: list[int] | int, floor: list[int] | int) -> float:
     """One-sided exact McNemar p-value that our top-1 partings from exllamav3 outnumber the floor's by chance.
     Given the positions: b = ours only, c = floor's only, p = P(Binomial(b + c, 1/2) >= b). Given counts only, the
@@ -177,7 +182,7 @@ def main() -> None:
                                           and not g["greedy_mismatches"]))
             if floor_parted:
                 row["paired_p"] = paired_p(parted["parted_at"], floor_parted["parted_at"])
-                row["gate_vs_floor"] = bool(kl <= max_kl and row["paired_p"] > ALPHA and not g["greedy_mismatches"])
+                row["gate_vs_floor"] = vs_floor(run["dtype"], kl, row["paired_p"], len(g["greedy_mismatches"]))
             row.update(load="ok", positions=lp.shape[0], kl_vs_exllamav3=kl, top1_vs_exllamav3=top1, worst_positions=worst,
                        kl_unquantized_vs_vllm=kl_hf, top1_unquantized_vs_vllm=top1_hf, init_s=round(got["init_s"], 1),
                        eager=got["eager"], **g,

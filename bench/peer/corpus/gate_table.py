@@ -14,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import ALPHA, GATES, paired_p  # noqa: E402
+from compare import ALPHA, paired_p, vs_floor  # noqa: E402
 
 COLUMNS = ["name", "dtype", "load", "positions", "kl_vs_exllamav3", "top1_vs_exllamav3", "parted", "parted_margin_max",
            "parted_beyond_tie", "floor_kl", "floor_top1", "floor_parted", "floor_parted_margin_max",
@@ -51,9 +51,8 @@ def flat(r: dict) -> dict:
     elif out["parted"] not in (None, "") and out["floor_parted"] not in (None, ""):
         out["paired_p"] = paired_p(int(out["parted"]), int(out["floor_parted"]))
         out["paired_from"] = "counts (bound)"
-        max_kl = GATES.get(r.get("dtype"), (1e-3, 0.99))[0]
-        greedy_bad = int(_num(out["greedy_mismatches"]) or 0)
-        out["gate_vs_floor"] = bool(kl is not None and kl <= max_kl and out["paired_p"] > ALPHA and not greedy_bad)
+        out["gate_vs_floor"] = kl is not None and vs_floor(r.get("dtype"), kl, out["paired_p"],
+                                                            int(_num(out["greedy_mismatches"]) or 0))
     return out
 
 

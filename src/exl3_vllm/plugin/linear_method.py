@@ -263,11 +263,19 @@ class Exl3LinearMethod(LinearMethodBase):
         for g, (s0, s1, c0, c1, _, _) in enumerate(state.layout):
             trellis = self._group_trellis(layer, g)
             code = self.specs[s0].codebook
-            sizes = [plan[i][2] for i in range(s0, s1)]
+            # Adjacent parts cut from one checkpoint module share its suh: one kernel shard, one input transform.
+            rows, sizes = [], []
+            for i in range(s0, s1):
+                if rows and self.owner[i] == self.owner[rows[-1]]:
+                    sizes[-1] += plan[i][2]
+                else:
+                    rows.append(i)
+                    sizes.append(plan[i][2])
+            suh = layer.suh.data[s0:s1] if len(rows) == s1 - s0 else layer.suh.data[rows]
             # The CPU path keeps the exact fp16 decode instead of decoding on every forward.
             decoded = w_hat(trellis, code) if trellis.device.type == "cpu" else None
             code_id = int(cb.Codebook.of(code))  # a plain int: it reaches the ops and their traced graphs
-            state.groups.append((trellis, layer.suh.data[s0:s1], layer.svh.data[c0:c1], sizes, code_id, decoded))
+            state.groups.append((trellis, suh, layer.svh.data[c0:c1], sizes, code_id, decoded))
             prepare_layer(trellis, sizes, code_id)
 
     def _check_finite(self, layer, plan) -> None:
