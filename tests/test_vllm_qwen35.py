@@ -3,6 +3,7 @@ against the dense twin in transformers (fp32), and with its EXL3 MTP draft under
 The GDN layers' in_proj_qkv feeds three of vLLM's four in_proj_qkvz parts (docs/format.md 1.9). vLLM's CPU GDN kernel
 runs bf16 only; the engine needs tests/stubs on its path (tests/stubs/torchvision says why)."""
 import functools
+import importlib.util
 import json
 import os
 
@@ -16,13 +17,18 @@ from engine import finish, results, run_engine, start_engine  # noqa: E402
 from exl3_vllm.synth import synthesize  # noqa: E402
 from exl3_vllm.synth.presets import PRESETS  # noqa: E402
 
-STUBS = {"PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs") + os.pathsep
-         + os.environ.get("PYTHONPATH", "")}
+# Only where torchvision is missing (the CPU set-up): the GPU image's real one must not be shadowed.
+STUBS = {} if importlib.util.find_spec("torchvision") else {
+    "PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs") + os.pathsep
+    + os.environ.get("PYTHONPATH", "")}
 PROMPTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "w10 w20 w30 w40 w50", "w7", "w300 w2 w999 w4 w5",
-           "w8 w8 w8 w8", "w42 w43", "w1000 w1 w100 w10", "w5 w6 w7 w8 w9"]
+           "w8 w8 w8 w8", "w42 w43", "w1000 w1 w100 w10", "w5 w6 w7 w8 w9", "w64 w65 w66", "w3 w1 w4 w1 w5 w9 w2 w6",
+           "w77 w77", "w900 w800 w700 w600 w500 w400", "w12 w13", "w250 w251 w252 w253", "w1 w1 w2 w3 w5 w8 w13",
+           "w600 w6"]  # 16 requests: the issue's c=16
 TOKENS = 16
 VOCAB = 1024  # the tiny presets' vocabulary
-NO_PREFIX_CACHE = {"enable_prefix_caching": False}  # vLLM's MTP drafts on Qwen3.5 need it off
+# vLLM's MTP drafts on Qwen3.5 need prefix caching off; all 16 requests in one batch.
+ENGINE = {"enable_prefix_caching": False, "max_num_seqs": len(PROMPTS)}
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +66,11 @@ SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 @pytest.fixture(scope="module")
 def engines(models):
     """Two engines at once: without speculation (every prompt's distributions and greedy tokens), and with the MTP
-    draft (the same prompts together, then each alone)."""
+    draft (the 16 prompts together, then each alone)."""
     spec = start_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
-                        extra={"speculative_config": SPEC, "one_at_a_time": True, **NO_PREFIX_CACHE})
+                        extra={"speculative_config": SPEC, "one_at_a_time": True, **ENGINE})
     plain = run_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
-                       extra={"full_prompt_logprobs": VOCAB, **NO_PREFIX_CACHE})
+                       extra={"full_prompt_logprobs": VOCAB, **ENGINE})
     return results(plain), results(finish(spec))
 
 

@@ -1,4 +1,4 @@
-"""Runs one vLLM CPU engine in its own process and prints its results as JSON.
+"""Runs one vLLM engine (the CPU one in CI) in its own process and prints its results as JSON.
 
 Usage: python vllm_runner.py MODEL_DIR DTYPE PROMPTS_JSON MAX_TOKENS [TP [LLM_KWARGS_JSON]]
 LLM_KWARGS_JSON adds or overrides LLM(...) arguments, e.g. {"enable_expert_parallel": true}.
@@ -20,6 +20,8 @@ if __name__ == "__main__":
     # Tensor parallelism needs worker processes; one rank runs in this process.
     kwargs = {"distributed_executor_backend": "uni"} if tp == 1 else {"tensor_parallel_size": tp}
     kwargs.update(json.loads(sys.argv[6]) if len(sys.argv) > 6 else {})
+    # VLLM_RUNNER_EXTRA (JSON): the machine's overrides, e.g. on a shared GPU a fixed KV cache and CUDA graphs.
+    kwargs.update(json.loads(os.environ.get("VLLM_RUNNER_EXTRA") or "{}"))
     # "full_prompt_logprobs": N also returns the whole distribution (N = the vocabulary) at every prompt position.
     full = kwargs.pop("full_prompt_logprobs", 0)
     if full:
@@ -28,8 +30,8 @@ if __name__ == "__main__":
     alone = kwargs.pop("one_at_a_time", False)
     if kwargs.get("speculative_config"):
         kwargs.setdefault("disable_log_stats", False)  # the spec-decode counters reported below
-    llm = LLM(model=model, dtype=dtype, max_model_len=256, max_num_seqs=8, seed=0,
-              **{"enforce_eager": True, **kwargs})
+    llm = LLM(model=model, dtype=dtype, seed=0, **{"max_model_len": 256, "max_num_seqs": 8, "enforce_eager": True,
+                                                    **kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
                             prompt_logprobs=full or 1, detokenize=not full)
     results = []
