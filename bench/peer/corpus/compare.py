@@ -135,7 +135,7 @@ def main() -> None:
     rows = []
     for name in dict.fromkeys(r["name"] for r in runs):
         cfg = json.load(open(os.path.join(a.corpus, name, "config.json")))
-        vocab = cfg["vocab_size"]
+        vocab = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
         gaps = None  # MoE only, computed once per checkpoint
         ref = torch.load(os.path.join(a.ref, f"{name}.pt"))["logits"]
         hf_path = os.path.join(a.ref, f"hf-{ex3[name]['model']}.pt")

@@ -1,6 +1,6 @@
 """Convert the corpus models with exllamav3's own converter over the settings it offers (GPU machine).
 
-    python3 bench/peer/corpus/convert.py --hf /tmp/corpus/hf --out /tmp/corpus/exl3 --set fixture|sample|full \
+    python3 bench/peer/corpus/convert.py --hf /tmp/corpus/hf --out /tmp/corpus/exl3 --set fixture|sample|gate|full|mtp \
         [--jobs 4]
 
 Each entry of JOBS is one `exllamav3.conversion.convert_model` run (or a recipe, or the measure + optimize path) and
@@ -72,6 +72,10 @@ JOBS = {
     "qwen3-moe-b2.5-eb4": ("qwen3-moe", ["-b", "2.5", "-eb", "4"], "full"),
     "qwen3-moe-b4-mcg": ("qwen3-moe", ["-b", "4", "-cb", "mcg"], "full"),
     "qwen3-moe-b6-hb8": ("qwen3-moe", ["-b", "6", "-hb", "8"], "full"),
+    # Qwen3.5 (multimodal class) with its trained MTP layer (issue 46): the draft at 4 bits and the vision tower
+    # unquantized, then the converter's defaults for both (mtp_bits 4, the architecture's vision bits).
+    "qwen3.5-mtp-b4": ("qwen3.5-mtp", ["-b", "4", "-mb", "4", "-vb", "16"], "mtp"),
+    "qwen3.5-mtp-b3.5": ("qwen3.5-mtp", ["-b", "3.5"], "mtp"),
 }
 EXL = [sys.executable, "-m"]
 
@@ -121,15 +125,17 @@ def main() -> None:
     ap.add_argument("--hf", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/corpus/work")
-    ap.add_argument("--set", default="full", choices=("fixture", "sample", "gate", "full"))
+    ap.add_argument("--set", default="full", help="fixture, sample, gate, full or mtp; several comma-separated")
     ap.add_argument("--only", default="")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--skip-set", default="", help="leave out the jobs of these sets, comma-separated (done by an "
                                                    "earlier run: --set full --skip-set gate is the rest)")
     ap.add_argument("--list", action="store_true", help="print the chosen job names and exit")
     args = ap.parse_args()
-    skips = set(filter(None, args.skip_set.split(",")))
-    names = args.only.split(",") if args.only else [n for n, j in JOBS.items() if args.set in j[2].split()
+    skips, sets = set(filter(None, args.skip_set.split(","))), set(args.set.split(","))
+    if sets - {"fixture", "sample", "gate", "full", "mtp"}:
+        sys.exit(f"unknown set in --set {args.set}")
+    names = args.only.split(",") if args.only else [n for n, j in JOBS.items() if sets & set(j[2].split())
                                                     and not skips & set(j[2].split())]
     if args.list:
         print(",".join(names))

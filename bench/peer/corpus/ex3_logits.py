@@ -65,7 +65,7 @@ def embedding_check(model, ckpt_dir: str) -> dict | None:
     spec = next((m for m in ck.modules.values() if isinstance(m, EmbeddingSpec)), None)
     if spec is None:
         return None
-    hidden = ck.config.get("hidden_size")
+    hidden = ck.config.get("hidden_size") or ck.config.get("text_config", {}).get("hidden_size")
     ours = dense_table(ck.tensor(f"{spec.key}.trellis"), ck.tensor(f"{spec.key}.signs"), hidden)
     emb = next(m for m in model.modules if type(m).__name__ == "Embedding")
     ids = torch.arange(spec.rows, dtype=torch.long).view(1, -1)
@@ -121,7 +121,7 @@ def main() -> None:
             cfg = Config.from_directory(d)
             model = Model.from_config(cfg)
             model.load(device="cuda:0")
-            vocab = cfg_json["vocab_size"]
+            vocab = cfg_json.get("vocab_size") or cfg_json["text_config"]["vocab_size"]
             with torch.inference_mode():
                 logits = model.forward(ids.view(1, -1), {})[0, :, :vocab].float().cpu()
                 fix = None

@@ -35,9 +35,11 @@ def child(model: str, dtype: str, ref: str, out: str, eager: bool) -> None:
     ids = torch.load(os.path.join(ref, "tokens.pt")).tolist()
     extra = json.load(open(os.path.join(ref, "greedy_tokens.json")))
     cfg = json.load(open(os.path.join(model, "config.json")))
-    vocab = cfg["vocab_size"]
+    vocab = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]  # multimodal configs nest it
     kw = {"enforce_eager": True} if eager else {"compilation_config": {
         "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}}
+    if "vision_config" in cfg:
+        kw["language_model_only"] = True  # text only: the vision tower is not built
     t0 = time.time()
     # Engines share the GPU with each other and with the conversions: a fixed KV cache skips vLLM's memory profiling,
     # which fails when another process frees memory meanwhile ("Error in memory profiling").

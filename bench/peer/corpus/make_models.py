@@ -40,6 +40,28 @@ MODELS = {
                                           "tie_word_embeddings": False, "attention_bias": False,
                                           "router_aux_loss_coef": 0.01, "output_router_logits": True}),
 }
+# Qwen3.5 as published (the multimodal class: exllamav3 converts MTP layers only for it), gated-delta-net layers beside
+# one gated full-attention layer, one MTP layer trained with the model (train_mtp), a one-block vision tower left as
+# initialised (text-only serving never runs it).
+QWEN35_TEXT = {"model_type": "qwen3_5_text", "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+               "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+               "attn_output_gate": True, "mtp_num_hidden_layers": 1, "tie_word_embeddings": False,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [4, 2, 2], "mrope_interleaved": True}}
+QWEN35_VISION = {"depth": 1, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 256,
+                 "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 256}
+# What exllamav3 reads for a Qwen3-VL-style vision tower (Qwen's published image processor settings).
+QWEN35_PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
+                       "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessorFast",
+                       "processor_class": "Qwen3VLProcessor"}
+# Seconds of training for models whose steps are slow (transformers' reference gated-delta-net code on the device).
+TRAIN_SECONDS = {"qwen3.5-mtp": 240}
+# The vision tokens: ids of the tokenizer's reserved specials (make_tokenizer), never produced by text.
+QWEN35_TOKENS = {"image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5, "vision_end_token_id": 6}
+MODELS["qwen3.5-mtp"] = ("Qwen3_5ForConditionalGeneration", {"model_type": "qwen3_5"})
 MODELS["llama-2l"] = (MODELS["llama"][0], {**MODELS["llama"][1], "num_hidden_layers": 2})
 MODELS["qwen3-moe-2l"] = (MODELS["qwen3-moe"][0], {**MODELS["qwen3-moe"][1], "num_hidden_layers": 2})
 SEQ = 512
@@ -64,6 +86,9 @@ def split_text(text_dir: str, out: str) -> tuple[str, str]:
     return tp, hp
 
 
+VISION_SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # ids 3-6
+
+
 def make_tokenizer(train_txt: str, out: str) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -71,7 +96,7 @@ def make_tokenizer(train_txt: str, out: str) -> str:
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"] + VISION_SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train([train_txt], trainer)
     assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
@@ -79,6 +104,57 @@ def make_tokenizer(train_txt: str, out: str) -> str:
     tdir = os.path.join(out, "tokenizer")
     fast.save_pretrained(tdir)
     return tdir
+
+
+MTP_WEIGHT = 0.3  # the draft's share of the loss (DeepSeek-V3's weight for its MTP modules)
+
+
+def mtp_layer(model):
+    """Qwen3.5's MTP draft as vLLM runs it (qwen3_5_mtp): at position t, fc([norm(embed(token t+1)); norm(h_t)]) with
+    h_t the main model's final (normed) hidden state, one full-attention decoder layer, a norm, the shared lm_head;
+    it predicts token t+2. Its tensors are saved as mtp.* (fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.0,
+    norm), as published Qwen3.5 checkpoints store them."""
+    import copy
+
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+
+    class Mtp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            tc = copy.deepcopy(model.config.text_config)
+            n = tc.num_hidden_layers
+            tc.layer_types = list(tc.layer_types) + ["full_attention"]
+            h = tc.hidden_size
+            self.fc = torch.nn.Linear(2 * h, h, bias=False)
+            self.pre_fc_norm_embedding = q.Qwen3_5RMSNorm(h, eps=tc.rms_norm_eps)
+            self.pre_fc_norm_hidden = q.Qwen3_5RMSNorm(h, eps=tc.rms_norm_eps)
+            self.layers = torch.nn.ModuleList([q.Qwen3_5DecoderLayer(tc, n)])
+            self.norm = q.Qwen3_5RMSNorm(h, eps=tc.rms_norm_eps)
+            self.model = [model]  # not a submodule: its parameters are the main model's
+
+        def losses(self, batch):
+            m = self.model[0]
+            lm = m.model.language_model
+            hid = lm(input_ids=batch).last_hidden_state
+            logits = m.lm_head(hid).float()
+            ce = torch.nn.functional.cross_entropy
+            main = ce(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(lm.embed_tokens(batch[:, 1:])),
+                                   self.pre_fc_norm_hidden(hid[:, :-1])], -1))
+            pos = torch.arange(x.shape[1], device=x.device)[None, None].expand(3, x.shape[0], -1)
+            x = self.layers[0](x, position_embeddings=lm.rotary_emb(x, pos), attention_mask=None)
+            draft = m.lm_head(self.norm(x)).float()
+            return main, ce(draft[:, :-1].reshape(-1, draft.shape[-1]), batch[:, 2:].reshape(-1))
+
+        def save(self, d):
+            from safetensors.torch import load_file, save_file
+            path = os.path.join(d, "model.safetensors")
+            tensors = load_file(path)
+            tensors.update({f"mtp.{k}": v.to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()})
+            save_file(tensors, path, metadata={"format": "pt"})
+
+    return Mtp()
 
 
 def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: int) -> None:
@@ -89,43 +165,70 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
     torch.manual_seed(seed)
     DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: dry runs only
     arch, extra = MODELS[name]
-    cfg = AutoConfig.for_model(extra["model_type"], **{**COMMON, **{k: v for k, v in extra.items()
-                                                                     if k != "model_type"}})
-    cfg.architectures = [arch]
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(DEV)
+    mtp = None
+    if arch == "Qwen3_5ForConditionalGeneration":
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+        text = {**COMMON, **QWEN35_TEXT}
+        text["rope_theta"] = text["rope_parameters"]["rope_theta"]
+        cfg = Qwen3_5Config(text_config=text, vision_config=QWEN35_VISION, tie_word_embeddings=False, **QWEN35_TOKENS)
+        cfg.architectures = [arch]
+        model = Qwen3_5ForConditionalGeneration(cfg).to(DEV)
+        mtp = mtp_layer(model).to(DEV)
+    else:
+        cfg = AutoConfig.for_model(extra["model_type"], **{**COMMON, **{k: v for k, v in extra.items()
+                                                                         if k != "model_type"}})
+        cfg.architectures = [arch]
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(DEV)
     tok = PreTrainedTokenizerFast.from_pretrained(tdir)
     ids = torch.tensor(tok(open(train_txt, encoding="utf-8").read())["input_ids"], dtype=torch.long)
     n = (ids.numel() - 1) // (SEQ - 1)
     data = ids[: n * (SEQ - 1)].view(n, SEQ - 1).to(DEV)
     bos = torch.full((64, 1), COMMON["bos_token_id"], dtype=torch.long, device=DEV)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05)
+    params = list(model.parameters()) + (list(mtp.parameters()) if mtp else [])
+    opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.05)
     t0 = time.time()
-    for step in range(steps):
+    step = 0
+    while step < steps:
+        if step == 10 and name in TRAIN_SECONDS:  # fewer steps where one is slow, so training ends with the others
+            steps = max(20, min(steps, int(TRAIN_SECONDS[name] * 10 / (time.time() - t0))))
         lr = 3e-3 * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g["lr"] = lr
         batch = torch.cat([bos, data[torch.randint(0, n, (64,), device=DEV)]], 1)
         with torch.autocast(DEV, dtype=torch.bfloat16):
-            outp = model(input_ids=batch, labels=batch)
-        outp.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if mtp:
+                loss, mtp_loss = mtp.losses(batch)
+                (loss + MTP_WEIGHT * mtp_loss).backward()
+            else:
+                loss = model(input_ids=batch, labels=batch).loss
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 250 == 0 or step == steps - 1:
-            print(f"[{name}] step {step} loss {outp.loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"[{name}] step {step} loss {loss.item():.3f}"
+                  + (f" mtp {mtp_loss.item():.3f}" if mtp else "") + f" ({time.time() - t0:.0f}s)", flush=True)
+        step += 1
     d = os.path.join(out, name)
     if getattr(cfg, "output_router_logits", False):
         model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(d)
     tok.save_pretrained(d)
+    if mtp:
+        mtp.save(d)
     cfg_path = os.path.join(d, "config.json")
     saved = json.load(open(cfg_path))
-    saved.setdefault("rope_theta", COMMON["rope_theta"])  # readers older than transformers 5 look for this key
+    if "text_config" in saved:
+        saved["vision_config"].setdefault("deepstack_visual_indexes", [])  # published Qwen3.5 configs carry it
+        json.dump(QWEN35_PREPROCESSOR, open(os.path.join(d, "preprocessor_config.json"), "w"), indent=2)
+    else:
+        saved.setdefault("rope_theta", COMMON["rope_theta"])  # readers older than transformers 5 look for this key
     if "num_local_experts" in saved:
         saved.setdefault("num_experts", saved["num_local_experts"])  # Qwen3-MoE's published key (exllamav3 reads it)
     json.dump(saved, open(cfg_path, "w"), indent=2)
     with open(os.path.join(d, "train.json"), "w") as f:
-        json.dump({"steps": steps, "final_loss": outp.loss.item(), "seconds": time.time() - t0,
+        json.dump({"steps": steps, "final_loss": loss.item(), "seconds": time.time() - t0,
+                   **({"final_mtp_loss": mtp_loss.item()} if mtp else {}),
                    "tokens": ids.numel(), "transformers": transformers.__version__}, f)
 
 
@@ -147,8 +250,10 @@ def main() -> None:
     procs = [subprocess.Popen([sys.executable, __file__, "--text-dir", args.text_dir, "--out", args.out,
                                "--steps", str(args.steps), "--worker", name]) for name in args.only.split(",")]
     bad = [p.args[-1] for p in procs if p.wait() != 0]
-    if bad:
-        sys.exit(f"training failed: {bad}")
+    if bad:  # the others go on: their conversions do not need the failed ones
+        print(f"training failed: {bad}", flush=True)
+        if len(bad) == len(procs):
+            sys.exit(1)
 
 
 if __name__ == "__main__":
