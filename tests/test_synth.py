@@ -279,6 +279,10 @@ def test_plan_full_presets():
     (dict(config_or_preset=dict(PRESETS["tiny-llama"], architectures=["GPT2LMHeadModel"], model_type="gpt2")),
      "unsupported architecture"),
     (dict(config_or_preset=dict(PRESETS["tiny-llama"], hidden_size=None)), "hidden_size"),
+    (dict(config_or_preset={"architectures": ["LlamaForCausalLM"], "text_config": PRESETS["tiny-llama"]}),
+     "nested text_config goes with a multimodal class"),
+    (dict(config_or_preset=dict(PRESETS["tiny-qwen3.5"], architectures=["Qwen3_5ForConditionalGeneration"])),
+     "nested text_config goes with a multimodal class"),
 ])
 def test_bad_input_raises_and_writes_nothing(tmp_path, kwargs, match):
     args = dict(config_or_preset="tiny-llama", out_dir=tmp_path / "out")

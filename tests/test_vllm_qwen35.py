@@ -31,13 +31,28 @@ VOCAB = 1024  # the tiny presets' vocabulary
 ENGINE = {"enable_prefix_caching": False, "max_num_seqs": len(PROMPTS)}
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def multimodal(text: dict) -> dict:
+    """The class Qwen3.5 is published as (and exllamav3 writes MTP layers for): the decoder in text_config, a
+    one-block vision tower stored unquantized (--vision_bits 16)."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": dict(text, model_type="qwen3_5_text"),
+            "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 128,
+                              "intermediate_size": 256, "num_heads": 2, "out_hidden_size": text["hidden_size"],
+                              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                              "num_position_embeddings": 256, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+                              "deepstack_visual_indexes": []},
+            "image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5, "vision_end_token_id": 6}
+
+
+@pytest.fixture(scope="module", params=["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"])
+def models(request, tmp_path_factory):
     """Seed 1: the model with one MTP layer (outside tensor_storage, as exllamav3 writes it); seed 2: an unrelated
-    model of the same shape, the scale a wrong load would reach."""
+    model of the same shape, the scale a wrong load would reach. Text-only, then the multimodal class."""
     root = tmp_path_factory.mktemp("qwen35")
     config = root / "config.json"
-    config.write_text(json.dumps(dict(PRESETS["tiny-qwen3.5"], mtp_num_hidden_layers=1)))
+    text = dict(PRESETS["tiny-qwen3.5"], mtp_num_hidden_layers=1)
+    config.write_text(json.dumps(text if request.param == "Qwen3_5ForCausalLM" else multimodal(text)))
     out = {}
     for seed in (1, 2):
         synthesize(str(config), str(root / f"exl3-{seed}"), bits=4, head_bits=6, seed=seed,
@@ -46,7 +61,7 @@ def models(tmp_path_factory):
     return out
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def twin(dense):
     return transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
 
@@ -66,9 +81,11 @@ SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 @pytest.fixture(scope="module")
 def engines(models):
     """Two engines at once: without speculation (every prompt's distributions and greedy tokens), and with the MTP
-    draft (the 16 prompts together, then each alone)."""
+    draft (the 16 prompts together, then each alone). The multimodal model's plain engine builds its vision tower
+    from the stored tensors; its drafting engine serves text only (--language-model-only), as an MTP user would."""
+    text_only = {"language_model_only": True} if "text_config" in json.load(open(f"{models[1][0]}/config.json")) else {}
     spec = start_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
-                        extra={"speculative_config": SPEC, "one_at_a_time": True, **ENGINE})
+                        extra={"speculative_config": SPEC, "one_at_a_time": True, **ENGINE, **text_only})
     plain = run_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
                        extra={"full_prompt_logprobs": VOCAB, **ENGINE})
     return results(plain), results(finish(spec))

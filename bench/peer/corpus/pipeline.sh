@@ -79,7 +79,8 @@ stamp "built"
   --compile-only --arch sm_90 --jobs 12 > $C/nvrtc.log 2>&1; touch $C/NVRTC_DONE; stamp "NVRTC compiled" ) &
 # Convert every job of the set (those that quantize the embedding first: they hold the GPU longest). exllamav3's
 # reference forward follows each checkpoint as it lands, so the engines (gate.sh) start while the rest convert.
-python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} $SKIP --jobs ${JOBS:-5} \
+# ONLY=a,b: just these jobs (a sitting too short for the set's embedding quantizations, for one).
+python3 bench/peer/corpus/convert.py --hf $C/hf --out $C/exl3 --set ${SET:-sample} $SKIP ${ONLY:+--only $ONLY} --jobs ${JOBS:-5} \
   >> $C/convert.log 2>&1 &
 CONV=$!
 while :; do

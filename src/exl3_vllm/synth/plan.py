@@ -29,7 +29,10 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
 }
+# Multimodal classes: the decoder's sizes in text_config, a vision tower in vision_config.
+MULTIMODAL = ("Qwen3_5ForConditionalGeneration",)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 # Where the decoder lives: exllamav3 writes Qwen3.5 under model.language_model even for the text-only model.
 ROOTS = {"qwen3_5": "model.language_model"}
@@ -103,6 +106,12 @@ class Plan:
     codebook: str
     head_bits: int | float
     modules: list[ModulePlan]
+
+    @property
+    def text(self) -> dict:
+        """The decoder's config: text_config for a multimodal model, else the config itself."""
+        tc = self.config.get("text_config")
+        return tc if isinstance(tc, dict) else self.config
 
     def exl3_modules(self) -> list[ModulePlan]:
         return [m for m in self.modules if m.kind == "exl3"]
@@ -377,6 +386,32 @@ def _dense_module(key, shape, role) -> ModulePlan:
     return m
 
 
+def _vision_modules(v: dict, text_hidden: int) -> list[ModulePlan]:
+    """A Qwen3-VL-style vision tower stored unquantized (exllamav3's --vision_bits 16), outside tensor_storage:
+    patch embedding, position embedding, blocks, and the merger into the decoder's width."""
+    h, inter, depth = _int(v, "hidden_size"), _int(v, "intermediate_size"), _int(v, "depth")
+    patch, tpatch, merge = _int(v, "patch_size"), _int(v, "temporal_patch_size"), _int(v, "spatial_merge_size")
+    out_h = v.get("out_hidden_size", text_hidden)
+    merged = h * merge * merge
+    items = [("model.visual.patch_embed.proj", (h, v.get("in_channels", 3), tpatch, patch, patch), True),
+             ("model.visual.pos_embed", (_int(v, "num_position_embeddings"), h), False)]
+    for i in range(depth):
+        b = f"model.visual.blocks.{i}"
+        items += [(f"{b}.norm1", (h,), True), (f"{b}.norm2", (h,), True), (f"{b}.attn.qkv", (3 * h, h), True),
+                  (f"{b}.attn.proj", (h, h), True), (f"{b}.mlp.linear_fc1", (inter, h), True),
+                  (f"{b}.mlp.linear_fc2", (h, inter), True)]
+    items += [("model.visual.merger.norm", (h,), True), ("model.visual.merger.linear_fc1", (merged, merged), True),
+              ("model.visual.merger.linear_fc2", (out_h, merged), True)]
+    out = []
+    for key, shape, bias in items:
+        m = _dense_module(key, shape, "norm" if key.endswith(("norm", "norm1", "norm2")) else "vision")
+        if bias:
+            m.tensors.append(TensorPlan(f"{key}.bias", "F16", (shape[0],), "normal"))
+        m.listed = False
+        out.append(m)
+    return out
+
+
 def _raw_tensor(name, shape, dtype) -> ModulePlan:
     """A parameter stored under its own name (Qwen3.5's A_log, dt_bias), outside tensor_storage as exllamav3 has it."""
     m = ModulePlan(name, "raw", "normal")
@@ -408,10 +443,12 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
     mlp_slices > 1: each dense MLP's gate/up/down stored as that many `.slice.N` modules along the intermediate
     size, as exllamav3 stores MLPs wider than 55,296."""
     config = load_config(config_or_preset)
-    if isinstance(config.get("text_config"), dict):
-        raise Exl3FormatError("configs with a nested text_config (multimodal models) are not supported",
-                              fix=f"supported: {', '.join(ARCHITECTURES)}")
+    nested = isinstance(config.get("text_config"), dict)
+    if nested != ((config.get("architectures") or [None])[0] in MULTIMODAL):
+        raise Exl3FormatError("a nested text_config goes with a multimodal class, and only there",
+                              fix=f"multimodal classes supported: {', '.join(MULTIMODAL)}")
     arch = _arch(config)
+    full, config = config, (config["text_config"] if nested else config)
     bits = parse_bits(bits, "bits")
     codebook = parse_codebook(codebook)
     head_bits = parse_bits(head_bits, "head_bits", allow_16=True)
@@ -467,9 +504,11 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
             m = _dense_module(*item[1:]) if item[0] == "dense" else _exl3_module(*item[1:], *choose(item[1]))
             m.listed = False
             modules.append(m)
+    if nested:
+        modules += _vision_modules(full.get("vision_config") or {}, hidden)
     if head_bits == 16:
         # The converter stores a 16-bit head like any unquantized linear: rows padded to a multiple of 128.
         modules.append(_dense_module(HEAD_KEY, (-(-vocab // HAD) * HAD, hidden), "head"))
     else:
         modules.append(_exl3_module(HEAD_KEY, hidden, vocab, False, "head", head_bits, codebook))
-    return Plan(config, arch, bits, codebook, head_bits, modules)
+    return Plan(full, arch, bits, codebook, head_bits, modules)

@@ -25,7 +25,8 @@ from .tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILES, write_tokenizer
 DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 INDEX_FILE = "model.safetensors.index.json"
 DENSE_DTYPES = {"bfloat16": ("BF16", torch.bfloat16), "float32": ("F32", torch.float32)}
-_OUR_FILES = ("config.json", "quantization_config.json", INDEX_FILE, "model.safetensors") + TOKENIZER_FILES
+PREPROCESSOR = "preprocessor_config.json"
+_OUR_FILES = ("config.json", "quantization_config.json", INDEX_FILE, "model.safetensors", PREPROCESSOR) + TOKENIZER_FILES
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -127,9 +128,22 @@ def _base_config(p: Plan) -> dict:
     cfg = copy.deepcopy(p.config)
     cfg.pop("quantization_config", None)
     # The converter always writes a separate lm_head; the ids are those of the synthetic tokenizer.
-    cfg["tie_word_embeddings"] = False
-    cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"] = BOS_ID, EOS_ID, PAD_ID
+    for c in (cfg, cfg.get("text_config")):
+        if isinstance(c, dict):
+            c["tie_word_embeddings"] = False
+            c["bos_token_id"], c["eos_token_id"], c["pad_token_id"] = BOS_ID, EOS_ID, PAD_ID
     return cfg
+
+
+def _write_preprocessor(p: Plan, out_dir: str) -> None:
+    """A multimodal model's image processor settings (Qwen-VL's published ones), which its processor needs."""
+    v = p.config.get("vision_config")
+    if isinstance(v, dict):
+        _write_json(os.path.join(out_dir, PREPROCESSOR), {
+            "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": v.get("patch_size", 16),
+            "temporal_patch_size": v.get("temporal_patch_size", 2), "merge_size": v.get("spatial_merge_size", 2),
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"})
 
 
 def _quant_groups(p: Plan, seed: int) -> list[list[Entry]]:
@@ -153,12 +167,12 @@ def _dense_groups(p: Plan, seed: int, dense_dtype: str) -> list[list[Entry]]:
 
             groups.append([Entry(f"{m.key}.weight", st_dtype, (m.out_features, m.in_features), table)])
             continue
-        if m.kind == "dense" and m.is_head and m.out_features != p.config["vocab_size"]:
+        if m.kind == "dense" and m.is_head and m.out_features != p.text["vocab_size"]:
             def head(m=m):  # the converter's row padding, trimmed back for the plain HF twin
-                yield gen.value(m.tensors[0], seed)[:p.config["vocab_size"]].contiguous().numpy()
+                yield gen.value(m.tensors[0], seed)[:p.text["vocab_size"]].contiguous().numpy()
 
             t = m.tensors[0]
-            groups.append([Entry(t.name, t.dtype, (p.config["vocab_size"], t.shape[1]), head)])
+            groups.append([Entry(t.name, t.dtype, (p.text["vocab_size"], t.shape[1]), head)])
             continue
         if m.kind != "exl3":
             groups.append([Entry(t.name, t.dtype, t.shape, (lambda t=t: gen.chunks(t, seed))) for t in m.tensors])
@@ -233,8 +247,8 @@ def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head
     _prepare_dir(out_dir, overwrite, "output directory")
     if dense_dir:
         _prepare_dir(dense_dir, overwrite, "dense output directory")
-    vocab = p.config["vocab_size"]
-    max_len = p.config.get("max_position_embeddings")
+    vocab = p.text["vocab_size"]
+    max_len = p.text.get("max_position_embeddings")
     max_len = max_len if type(max_len) is int and max_len > 0 else 4096
 
     _clean_dir(out_dir)
@@ -248,6 +262,7 @@ def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head
     _write_json(os.path.join(out_dir, "config.json"), cfg)
     _write_json(os.path.join(out_dir, "quantization_config.json"), {**qc, "tensor_storage": p.tensor_storage()})
     write_tokenizer(out_dir, vocab, max_len)
+    _write_preprocessor(p, out_dir)
     if log:
         log(f"wrote {out_dir}: {len(names)} safetensors file(s), {p.total_bytes / 1024 ** 3:.2f} GiB, "
             f"{qc['bits']:.2f} bpw decoder average, head {p.head_bits} bits, {time.time() - t0:.1f} s")
@@ -260,6 +275,7 @@ def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head
         cfg["torch_dtype"] = dense_dtype
         _write_json(os.path.join(dense_dir, "config.json"), cfg)
         write_tokenizer(dense_dir, vocab, max_len)
+        _write_preprocessor(p, dense_dir)
         if log:
             log(f"wrote {dense_dir}: dense {dense_dtype} twin, {len(names)} safetensors file(s), "
                 f"{time.time() - t1:.1f} s")
