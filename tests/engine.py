@@ -19,6 +19,16 @@ def engine_env(tp: int = 1) -> dict:
     return e
 
 
+def stubs_env() -> dict:
+    """tests/stubs on PYTHONPATH where torchvision is missing (the CPU set-up; tests/stubs/torchvision says why), so
+    that vLLM can import its Qwen3.5 / Qwen-VL modules; nothing where the real one is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision"):
+        return {}
+    return {"PYTHONPATH": os.path.join(HERE, "stubs") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 def _args(model, dtype, prompts, max_tokens, tp, extra):
     return [sys.executable, os.path.join(HERE, "vllm_runner.py"), model, dtype, json.dumps(prompts), str(max_tokens),
             str(tp)] + ([json.dumps(extra)] if extra else [])

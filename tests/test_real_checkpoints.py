@@ -41,13 +41,13 @@ def load_reference(path):
         return f.get_tensor("input_ids").tolist(), f.get_tensor("logits").float(), int(meta["prompt_tokens"])
 
 
-def against_exllamav3(ckpt_dir, logits_file, dtype="float32"):
+def against_exllamav3(ckpt_dir, logits_file, dtype="float32", extra=None, env=None):
     """vLLM's CPU engine on the checkpoint against exllamav3's logits: mean / max KL(exllamav3 || vLLM) and top-1
     agreement over the teacher-forced sequence; greedy tokens compared up to the first near tie."""
     ids, ref, n_prompt = load_reference(logits_file)
     vocab = ref.shape[1]
     proc = run_engine(ckpt_dir, dtype, [{"prompt_token_ids": ids[:n_prompt]}, {"prompt_token_ids": ids}],
-                      len(ids) - n_prompt, extra={"full_prompt_logprobs": vocab})
+                      len(ids) - n_prompt, extra={"full_prompt_logprobs": vocab, **(extra or {})}, env=env)
     greedy, forced = results(proc)
     # Teacher-forced: vLLM's distribution of token t + 1 against exllamav3's row t.
     lp = torch.full((len(ids) - 1, vocab), float("-inf"))

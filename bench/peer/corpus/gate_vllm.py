@@ -21,6 +21,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "serve_gpu"))
+from kit_args import kit_llm_args  # noqa: E402
+
 GREEDY_PROMPTS, GREEDY_LEN, GREEDY_TOKENS = 16, 128, 32
 
 
@@ -38,8 +41,7 @@ def child(model: str, dtype: str, ref: str, out: str, eager: bool) -> None:
     vocab = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]  # multimodal configs nest it
     kw = {"enforce_eager": True} if eager else {"compilation_config": {
         "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}}
-    if "vision_config" in cfg:
-        kw["language_model_only"] = True  # text only: the vision tower is not built
+    kw.update(kit_llm_args(cfg))
     t0 = time.time()
     # Engines share the GPU with each other and with the conversions: a fixed KV cache skips vLLM's memory profiling,
     # which fails when another process frees memory meanwhile ("Error in memory profiling").

@@ -189,8 +189,11 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
     t0 = time.time()
     step = 0
     while step < steps:
-        if step == 10 and name in TRAIN_SECONDS:  # fewer steps where one is slow, so training ends with the others
-            steps = max(20, min(steps, int(TRAIN_SECONDS[name] * 10 / (time.time() - t0))))
+        if step == 10:
+            t10 = time.time()  # after the first steps' warm-up (6 of the first 9 s on 2026-12-06)
+        if step == 30 and name in TRAIN_SECONDS:  # fewer steps where one is slow, so training ends with the others
+            per_step = (time.time() - t10) / 20
+            steps = max(40, min(steps, 30 + int((TRAIN_SECONDS[name] - (time.time() - t0)) / per_step)))
         lr = 3e-3 * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g["lr"] = lr

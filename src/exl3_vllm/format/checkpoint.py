@@ -462,7 +462,7 @@ class Checkpoint:
         avg = self.average_bpw()
         # abs(stated) > 64 first: a huge JSON integer cannot be turned into a float; NaN also warns.
         # measure + optimize output states the storage average (trellis, scales and markers) instead.
-        mods = [m for m in self.exl3_modules() if not self.is_head(m.key)]
+        mods = self.decoder_linears()
         stored = sum(8 * m.nbytes for m in mods) / max(1, sum(m.k * m.n for m in mods))
         if type(stated) in (int, float) and avg is not None and (abs(stated) > 64 or not (
                 abs(stated - avg) <= 0.015 or abs(stated - stored) <= 0.015)):
@@ -480,9 +480,14 @@ class Checkpoint:
     def is_head(key: str) -> bool:
         return key.rsplit(".", 1)[-1] in ("lm_head", "output", "head")
 
+    def decoder_linears(self) -> list[Exl3Spec]:
+        """The EXL3 linears config's `bits` speaks of: not the head, nor MTP and vision modules (mtp_bits and
+        vision_bits state theirs)."""
+        return [m for m in self.exl3_modules() if not self.is_head(m.key) and not self._unlisted(m.key)]
+
     def average_bpw(self) -> float | None:
-        """Trellis bits per weight over the quantized decoder linears (head excluded)."""
-        mods = [m for m in self.exl3_modules() if not self.is_head(m.key)]
+        """Trellis bits per weight over the decoder linears."""
+        mods = self.decoder_linears()
         weights = sum(m.k * m.n for m in mods)
         return sum(m.bits * m.k * m.n for m in mods) / weights if weights else None
 

@@ -117,7 +117,8 @@ class Plan:
         return [m for m in self.modules if m.kind == "exl3"]
 
     def decoder_linears(self) -> list[ModulePlan]:
-        return [m for m in self.exl3_modules() if not m.is_head]
+        """What config's `bits` speaks of: MTP and vision modules state theirs apart (mtp_bits, vision_bits)."""
+        return [m for m in self.exl3_modules() if not m.is_head and m.listed]
 
     @property
     def average_bpw(self) -> float | None:

@@ -196,6 +196,23 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def _multimodal_qwen3_5(text: dict) -> dict:
+    """The class Qwen3.5 is published as (exllamav3 writes MTP layers for it): the decoder in text_config, a one-block
+    vision tower (stored unquantized, as --vision_bits 16 writes it), one MTP layer."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": dict(text, model_type="qwen3_5_text", mtp_num_hidden_layers=1),
+            "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 128,
+                              "intermediate_size": 256, "num_heads": 2, "out_hidden_size": text["hidden_size"],
+                              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                              "num_position_embeddings": 256, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+                              "deepstack_visual_indexes": []},
+            "tie_word_embeddings": False}
+
+
+PRESETS["tiny-qwen3.5-vl"] = _multimodal_qwen3_5(PRESETS["tiny-qwen3.5"])
+
+
 def load_config(config_or_preset) -> dict:
     """A preset name, a config.json path (or its directory) or a dict -> a fresh HF config dict."""
     if isinstance(config_or_preset, dict):

@@ -18,6 +18,13 @@ CHAT_TEMPLATE = (
     "{{ eos_token }} {% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
 )
 MIN_VOCAB = len(SPECIAL_TOKENS) + 256 + 1  # specials, the byte alphabet, one word
+# A multimodal model's placeholder tokens (Qwen-VL's names, which its processor looks up), at the top ids.
+VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+
+
+def vision_token_ids(vocab_size: int) -> dict[str, int]:
+    return {k: vocab_size - len(VISION_TOKENS) + i for i, k in enumerate(VISION_TOKENS)}
 
 
 def _byte_chars() -> list[str]:
@@ -62,16 +69,24 @@ def _added(i: int, tok: str) -> dict:
             "normalized": False, "special": True}
 
 
-def tokenizer_json(vocab_size: int) -> dict:
-    """A byte-level BPE (GPT-2/Llama-3/Qwen style): every text encodes, words ' a'..' zz..' are one token."""
+def _specials(vocab_size: int, vision: bool) -> list[tuple[int, str]]:
+    extra = [(vocab_size - len(VISION_TOKENS) + i, t) for i, t in enumerate(VISION_TOKENS.values())] if vision else []
+    return list(enumerate(SPECIAL_TOKENS)) + extra
+
+
+def tokenizer_json(vocab_size: int, vision: bool = False) -> dict:
+    """A byte-level BPE (GPT-2/Llama-3/Qwen style): every text encodes, words ' a'..' zz..' are one token. vision:
+    the last words give way to the vision placeholders (no word is a prefix of a later one, so no merge breaks)."""
     bos = SPECIAL_TOKENS[BOS_ID]
-    tokens, merges = vocabulary(vocab_size)
+    n = len(VISION_TOKENS) if vision else 0
+    tokens, merges = vocabulary(vocab_size - n)
+    tokens += list(VISION_TOKENS.values())[:n]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [_added(i, t) for i, t in enumerate(SPECIAL_TOKENS)],
+        "added_tokens": [_added(i, t) for i, t in _specials(vocab_size, vision)],
         "normalizer": None,
         "pre_tokenizer": byte_level,
         "post_processor": {
@@ -88,11 +103,11 @@ def tokenizer_json(vocab_size: int) -> dict:
     }
 
 
-def tokenizer_files(vocab_size: int, model_max_length: int) -> dict[str, dict]:
+def tokenizer_files(vocab_size: int, model_max_length: int, vision: bool = False) -> dict[str, dict]:
     names = dict(zip(("unk_token", "bos_token", "eos_token", "pad_token"), SPECIAL_TOKENS))
     config = {
         "added_tokens_decoder": {str(i): {k: v for k, v in _added(i, t).items() if k != "id"}
-                                 for i, t in enumerate(SPECIAL_TOKENS)},
+                                 for i, t in _specials(vocab_size, vision)},
         **{k: names[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")},
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
@@ -101,12 +116,12 @@ def tokenizer_files(vocab_size: int, model_max_length: int) -> dict[str, dict]:
     }
     special_map = {k: names[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-    return {"tokenizer.json": tokenizer_json(vocab_size), "tokenizer_config.json": config,
+    return {"tokenizer.json": tokenizer_json(vocab_size, vision), "tokenizer_config.json": config,
             "special_tokens_map.json": special_map, "generation_config.json": generation}
 
 
-def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int) -> None:
-    for name, data in tokenizer_files(vocab_size, model_max_length).items():
+def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int, vision: bool = False) -> None:
+    for name, data in tokenizer_files(vocab_size, model_max_length, vision).items():
         indent = None if name == "tokenizer.json" else 2
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(data, f, indent=indent, ensure_ascii=False)

@@ -20,7 +20,7 @@ from ..format.embedding import dense_table
 from ..format.reconstruct import dense_weight
 from . import tensors as gen
 from .plan import DTYPE_SIZES, Plan, plan
-from .tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILES, write_tokenizer
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID, TOKENIZER_FILES, vision_token_ids, write_tokenizer
 
 DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 INDEX_FILE = "model.safetensors.index.json"
@@ -132,13 +132,19 @@ def _base_config(p: Plan) -> dict:
         if isinstance(c, dict):
             c["tie_word_embeddings"] = False
             c["bos_token_id"], c["eos_token_id"], c["pad_token_id"] = BOS_ID, EOS_ID, PAD_ID
+    if _vision(p):
+        cfg.update(vision_token_ids(p.text["vocab_size"]))
     return cfg
+
+
+def _vision(p: Plan) -> bool:
+    return isinstance(p.config.get("vision_config"), dict)
 
 
 def _write_preprocessor(p: Plan, out_dir: str) -> None:
     """A multimodal model's image processor settings (Qwen-VL's published ones), which its processor needs."""
     v = p.config.get("vision_config")
-    if isinstance(v, dict):
+    if _vision(p):
         _write_json(os.path.join(out_dir, PREPROCESSOR), {
             "size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": v.get("patch_size", 16),
             "temporal_patch_size": v.get("temporal_patch_size", 2), "merge_size": v.get("spatial_merge_size", 2),
@@ -261,7 +267,7 @@ def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head
     cfg["quantization_config"] = qc
     _write_json(os.path.join(out_dir, "config.json"), cfg)
     _write_json(os.path.join(out_dir, "quantization_config.json"), {**qc, "tensor_storage": p.tensor_storage()})
-    write_tokenizer(out_dir, vocab, max_len)
+    write_tokenizer(out_dir, vocab, max_len, _vision(p))
     _write_preprocessor(p, out_dir)
     if log:
         log(f"wrote {out_dir}: {len(names)} safetensors file(s), {p.total_bytes / 1024 ** 3:.2f} GiB, "
@@ -274,7 +280,7 @@ def synthesize(config_or_preset, out_dir, bits=4.0, codebook: str = "mul1", head
         cfg = _base_config(p)
         cfg["torch_dtype"] = dense_dtype
         _write_json(os.path.join(dense_dir, "config.json"), cfg)
-        write_tokenizer(dense_dir, vocab, max_len)
+        write_tokenizer(dense_dir, vocab, max_len, _vision(p))
         _write_preprocessor(p, dense_dir)
         if log:
             log(f"wrote {dense_dir}: dense {dense_dtype} twin, {len(names)} safetensors file(s), "
@@ -297,8 +303,10 @@ def write_config_only(config_or_preset, out_dir, dtype: str = "bfloat16", *, ove
     cfg = _base_config(p)
     cfg["torch_dtype"] = dtype
     _write_json(os.path.join(out_dir, "config.json"), cfg)
-    max_len = cfg.get("max_position_embeddings")
-    write_tokenizer(out_dir, cfg["vocab_size"], max_len if type(max_len) is int and max_len > 0 else 4096)
+    max_len = p.text.get("max_position_embeddings")
+    write_tokenizer(out_dir, p.text["vocab_size"], max_len if type(max_len) is int and max_len > 0 else 4096,
+                    _vision(p))
+    _write_preprocessor(p, out_dir)
     if log:
         log(f"wrote {out_dir}: config.json and tokenizer only ({p.arch}, {dtype}, no weights)")
     return out_dir
