@@ -142,3 +142,46 @@ def test_modules_left_out_of_tensor_storage_are_read_from_the_headers(tmp_path, 
     mods = {m["key"]: m for m in json.loads(capsys.readouterr().out)["modules"]}
     assert mods["mtp.layers.0.mlp.down_proj"]["format"] == "exl3" and mods["mtp.layers.0.mlp.down_proj"]["bits"] == 4
     assert mods[nextn]["format"] == "exl3"
+
+
+def test_config_bits_speak_of_the_decoder_mtp_and_vision_are_reported_apart(tmp_path, capsys):
+    """exllamav3's `bits` is the decoder's; MTP layers (mtp_bits) and a vision tower (vision_bits) are quantized apart.
+    A multimodal Qwen3.5 whose MTP layer has other bits than the decoder: no bits warning, and inspect shows each."""
+    rules = tmp_path / "bits.json"
+    rules.write_text(json.dumps({"mtp.*": 6}))
+    out = tmp_path / "m"
+    synthesize("tiny-qwen3.5-vl", str(out), bits=3, bits_map=str(rules), seed=3)
+    ck = Checkpoint(str(out))
+    assert ck.quantization_config["bits"] == 3 and ck.quantization_config["mtp_bits"] == 6
+    assert ck.average_bpw() == 3 and not ck.warnings
+    assert cli.main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "MTP layers: 8 EXL3 modules, 6.00 bpw (config: 6)" in text
+    assert "vision tower" not in text and "warning" not in text  # stored unquantized, as --vision_bits 16 does
+
+
+def test_a_vision_attention_quantized_as_split_qkv_is_refused_when_vllm_builds_the_tower(tmp_path):
+    """exllamav3 --vision_bits stores a Qwen-VL tower's fused attn.qkv as EXL3 q_proj/k_proj/v_proj beside the source
+    qkv; vLLM's tower has one qkv layer. Building it is refused with what to do (text-only serving never builds it)."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file, save_file
+
+    from exl3_vllm.format.errors import Exl3FormatError
+    from exl3_vllm.plugin.config import Exl3Config
+
+    out = tmp_path / "m"
+    synthesize("tiny-qwen3.5-vl", str(out), bits=4, seed=3)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    src = "model.language_model.layers.3.self_attn.o_proj"
+    tensors = {k: v for k, v in load_file(str(out / index["weight_map"][f"{src}.trellis"])).items()
+               if k.startswith(src + ".")}
+    extra = {f"model.visual.blocks.0.attn.{p}" + k[len(src):]: v.clone() for p in ("q_proj", "k_proj", "v_proj")
+             for k, v in tensors.items()}
+    save_file(extra, str(out / "model-vision.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update({k: "model-vision.safetensors" for k in extra})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    c = Exl3Config({"quant_method": "exl3"})
+    c.load_checkpoint(str(out))
+    with pytest.raises(Exl3FormatError, match="--language-model-only, or convert with --vision_bits 16"):
+        c._check_split_qkv("visual.blocks.0.attn.qkv")
+    c._check_split_qkv("language_model.model.layers.3.self_attn.qkv_proj")  # not a split vision qkv: no error

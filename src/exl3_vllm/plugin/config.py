@@ -161,6 +161,7 @@ class Exl3Config(QuantizationConfig):
                 return SlicedExl3LinearMethod(self, prefix, sliced)
             specs = self.specs_for(prefix)
             kinds = {type(s).__name__ for _, s in specs if s is not None}
+            self._check_split_qkv(prefix)
             if "EmbeddingSpec" in kinds:
                 raise Exl3FormatError(f"{prefix!r} is a linear layer in vLLM but a quantized embedding table in "
                                       "the checkpoint", file=self.checkpoint.path, tensor=prefix,
@@ -193,6 +194,20 @@ class Exl3Config(QuantizationConfig):
                 return Exl3MoEMethod(self, prefix, layer)
             return None
         return None
+
+    def _check_split_qkv(self, prefix: str) -> None:
+        """exllamav3 quantizes a Qwen-VL vision tower's fused attn.qkv as three EXL3 modules q_proj/k_proj/v_proj
+        (--vision_bits); vLLM's tower has the one qkv layer and would fail on their tensors after building it."""
+        head, _, last = prefix.rpartition(".")
+        if last != "qkv":
+            return
+        split = [k for s in ("q_proj", "k_proj", "v_proj") for k in self.resolver.lookup(f"{head}.{s}")]
+        if any(isinstance(self.checkpoint.modules.get(k), Exl3Spec) for k in split):
+            raise Exl3FormatError(
+                f"{prefix!r}: the checkpoint quantized this vision attention as separate EXL3 q_proj/k_proj/v_proj "
+                "modules (exllamav3 --vision_bits), which vLLM's vision tower (one fused qkv layer) cannot load "
+                "yet", file=self.checkpoint.path, tensor=split[0],
+                fix="serve text only with --language-model-only, or convert with --vision_bits 16")
 
     @property
     def resolver(self) -> NameResolver:
