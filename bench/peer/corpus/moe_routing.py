@@ -27,6 +27,7 @@ def dense_model(path: str):
 
     ck = Checkpoint(path)
     cfg = {k: v for k, v in ck.config.items() if k != "quantization_config"}
+    text = cfg.get("text_config") or cfg  # a multimodal model's decoder
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"}),
         dtype=torch.float32).eval()
@@ -39,7 +40,7 @@ def dense_model(path: str):
                 sd[f"{key}.bias"] = ck.tensor(f"{key}.bias").float()
         elif isinstance(spec, EmbeddingSpec):
             sd[f"{key}.weight"] = dense_table(ck.tensor(f"{key}.trellis"), ck.tensor(f"{key}.signs"),
-                                              cfg["hidden_size"]).float()
+                                              text["hidden_size"]).float()
         elif isinstance(spec, DenseSpec):
             sd[f"{key}.weight"] = ck.tensor(f"{key}.weight").float()
     # Sliced MLPs (`.slice.N`, exllamav3's MLPs over its width bound) joined back: gate / up along their outputs,
@@ -50,10 +51,12 @@ def dense_model(path: str):
                        key=lambda k: int(k.rsplit(".", 2)[1]))
         sd[f"{key}.weight"] = torch.cat([sd.pop(k) for k in parts], 1 if key.endswith("down_proj") else 0)
     want = model.state_dict()
-    for i in range(cfg["num_hidden_layers"]):
+    if not any(k.startswith("model.language_model.") for k in want):  # the text-only class transformers builds
+        sd = {re.sub(r"^model\.language_model\.", "model.", k): v for k, v in sd.items()}
+    for i in range(text["num_hidden_layers"]):
         pre = f"model.layers.{i}.mlp.experts"
         if f"{pre}.gate_up_proj" in want:
-            n = cfg["num_experts"]
+            n = text["num_experts"]
             sd[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"{pre}.{e}.gate_proj.weight"),
                                                                 sd.pop(f"{pre}.{e}.up_proj.weight")]) for e in range(n)])
             sd[f"{pre}.down_proj"] = torch.stack([sd.pop(f"{pre}.{e}.down_proj.weight") for e in range(n)])
