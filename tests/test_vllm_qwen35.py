@@ -30,6 +30,10 @@ ENGINE = {"enable_prefix_caching": False, "max_num_seqs": len(PROMPTS)}
 def models(request, tmp_path_factory):
     """Seed 1: the model with one MTP layer (outside tensor_storage, as exllamav3 writes it); seed 2: an unrelated
     model of the same shape, the scale a wrong load would reach. Text-only, then the multimodal class."""
+    from vllm import ModelRegistry
+
+    if request.param not in ModelRegistry.get_supported_archs():  # vLLM 0.26 has the multimodal class only
+        pytest.skip(f"this vLLM does not serve {request.param} (not in its model registry), with or without EXL3")
     root = tmp_path_factory.mktemp("qwen35")
     config = root / "config.json"
     config.write_text(json.dumps(dict(PRESETS["tiny-qwen3.5"], mtp_num_hidden_layers=1)
