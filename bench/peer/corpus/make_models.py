@@ -58,10 +58,14 @@ QWEN35_PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216
                        "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessorFast",
                        "processor_class": "Qwen3VLProcessor"}
 # Seconds of training for models whose steps are slow (transformers' reference gated-delta-net code on the device).
-TRAIN_SECONDS = {"qwen3.5-mtp": 240}
+TRAIN_SECONDS = {"qwen3.5-mtp": 240, "qwen3.5-mtp-2l": 200}
 # The vision tokens: ids of the tokenizer's reserved specials (make_tokenizer), never produced by text.
 QWEN35_TOKENS = {"image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5, "vision_end_token_id": 6}
 MODELS["qwen3.5-mtp"] = ("Qwen3_5ForConditionalGeneration", {"model_type": "qwen3_5"})
+# Two layers (one of each kind) for a CI fixture with a trained draft.
+MODELS["qwen3.5-mtp-2l"] = ("Qwen3_5ForConditionalGeneration", {"model_type": "qwen3_5", "num_hidden_layers": 2,
+                                                                  "layer_types": ["linear_attention", "full_attention"],
+                                                                  "full_attention_interval": 2})
 MODELS["llama-2l"] = (MODELS["llama"][0], {**MODELS["llama"][1], "num_hidden_layers": 2})
 MODELS["qwen3-moe-2l"] = (MODELS["qwen3-moe"][0], {**MODELS["qwen3-moe"][1], "num_hidden_layers": 2})
 SEQ = 512
@@ -168,7 +172,7 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
     mtp = None
     if arch == "Qwen3_5ForConditionalGeneration":
         from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-        text = {**COMMON, **QWEN35_TEXT}
+        text = {**COMMON, **QWEN35_TEXT, **{k: v for k, v in extra.items() if k != "model_type"}}
         text["rope_theta"] = text["rope_parameters"]["rope_theta"]
         cfg = Qwen3_5Config(text_config=text, vision_config=QWEN35_VISION, tie_word_embeddings=False, **QWEN35_TOKENS)
         cfg.architectures = [arch]
