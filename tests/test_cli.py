@@ -162,7 +162,8 @@ def test_config_bits_speak_of_the_decoder_mtp_and_vision_are_reported_apart(tmp_
 
 def test_a_vision_attention_quantized_as_split_qkv_is_refused_when_vllm_builds_the_tower(tmp_path):
     """exllamav3 --vision_bits stores a Qwen-VL tower's fused attn.qkv as EXL3 q_proj/k_proj/v_proj beside the source
-    qkv; vLLM's tower has one qkv layer. Building it is refused with what to do (text-only serving never builds it)."""
+    qkv; vLLM's tower has one qkv layer. inspect warns; building the tower is refused with what to do (text-only
+    serving never builds it)."""
     pytest.importorskip("vllm")
     from safetensors.torch import load_file, save_file
 
@@ -180,6 +181,10 @@ def test_a_vision_attention_quantized_as_split_qkv_is_refused_when_vllm_builds_t
     save_file(extra, str(out / "model-vision.safetensors"), metadata={"format": "pt"})
     index["weight_map"].update({k: "model-vision.safetensors" for k in extra})
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert [w for w in Checkpoint(str(out)).warnings if "vision tower" in w] == [
+        "model.visual.blocks.0.attn.q_proj: the vision tower's attention is stored as split EXL3 q/k/v "
+        "(--vision_bits), which vLLM's tower cannot load; serve text only (--language-model-only) or convert with "
+        "--vision_bits 16"]
     c = Exl3Config({"quant_method": "exl3"})
     c.load_checkpoint(str(out))
     with pytest.raises(Exl3FormatError, match="--language-model-only, or convert with --vision_bits 16"):

@@ -194,6 +194,7 @@ class Checkpoint:
             self.unsupported.append((NGRAM_FILE, "hashed n-gram embedding tables (exllamav3's --ngram_bits), "
                                                  "which vLLM's models do not read"))
         self._check_experts()
+        self._check_vision()
         self._check_storage()
         self._check_bits()
 
@@ -215,6 +216,17 @@ class Checkpoint:
             v, least = text.get(key), 1 if key in POSITIVE_DIMS else 0
             if v is not None and not (type(v) is int and v >= least):
                 raise fail(f"{where}{key} must be an integer >= {least}, found {_short(v)}")
+
+    def _check_vision(self) -> None:
+        """A Qwen-VL vision tower quantized by the converter keeps attention as split EXL3 q/k/v, which vLLM's tower
+        (one qkv layer) cannot load: the checkpoint serves as text only (docs/format.md 1.9)."""
+        split = sorted(k for k, m in self.modules.items() if isinstance(m, Exl3Spec) and _UNLISTED.search(k)
+                       and k.endswith(".attn.q_proj"))
+        if split:
+            more = f" and {len(split) - 1} more blocks" if len(split) > 1 else ""
+            self.warnings.append(f"{split[0]}{more}: the vision tower's attention is stored as split EXL3 q/k/v "
+                                 "(--vision_bits), which vLLM's tower cannot load; serve text only "
+                                 "(--language-model-only) or convert with --vision_bits 16")
 
     def _check_experts(self) -> None:
         """Routed experts whose gate and up differ in K or codebook (hand-written recipes write them): vLLM fuses
