@@ -506,7 +506,10 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
             m.listed = False
             modules.append(m)
     if nested:
-        modules += _vision_modules(full.get("vision_config") or {}, hidden)
+        if not isinstance(full.get("vision_config"), dict):
+            raise Exl3FormatError("a multimodal config needs a vision_config object",
+                                  fix="add the vision tower's config")
+        modules += _vision_modules(full["vision_config"], hidden)
     if head_bits == 16:
         # The converter stores a 16-bit head like any unquantized linear: rows padded to a multiple of 128.
         modules.append(_dense_module(HEAD_KEY, (-(-vocab // HAD) * HAD, hidden), "head"))

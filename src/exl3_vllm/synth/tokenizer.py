@@ -70,7 +70,7 @@ def _added(i: int, tok: str) -> dict:
 
 
 def _specials(vocab_size: int, vision: bool) -> list[tuple[int, str]]:
-    extra = [(vocab_size - len(VISION_TOKENS) + i, t) for i, t in enumerate(VISION_TOKENS.values())] if vision else []
+    extra = list(zip(vision_token_ids(vocab_size).values(), VISION_TOKENS.values())) if vision else []
     return list(enumerate(SPECIAL_TOKENS)) + extra
 
 

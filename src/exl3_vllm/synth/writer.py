@@ -26,7 +26,8 @@ DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 INDEX_FILE = "model.safetensors.index.json"
 DENSE_DTYPES = {"bfloat16": ("BF16", torch.bfloat16), "float32": ("F32", torch.float32)}
 PREPROCESSOR = "preprocessor_config.json"
-_OUR_FILES = ("config.json", "quantization_config.json", INDEX_FILE, "model.safetensors", PREPROCESSOR) + TOKENIZER_FILES
+_OUR_FILES = ("config.json", "quantization_config.json", INDEX_FILE, "model.safetensors",
+              PREPROCESSOR) + TOKENIZER_FILES
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
