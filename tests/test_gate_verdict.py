@@ -39,3 +39,36 @@ def test_rows_without_positions_get_the_bound_verdict():
     assert out["gate_vs_floor"] is True
     assert gate_table.flat({**row, "kl_vs_exllamav3": "2e-3", "top1_vs_exllamav3": str(1 - 40 / 2047)})[
         "gate_vs_floor"] is False  # the KL bound still holds the row
+
+
+def test_corpus_table_takes_each_settings_latest_gate_and_cpu_rows(tmp_path, monkeypatch):
+    """corpus_table.py: per converter job, the newest study's rows; a failed verdict shows; a job never gated says so."""
+    import csv
+
+    corpus_table = pytest.importorskip("corpus_table")
+    cols = ["name", "dtype", "load", "positions", "kl_vs_exllamav3", "top1_vs_exllamav3", "parted", "floor_top1",
+            "floor_parted", "paired_p", "greedy_mismatches", "gate", "gate_vs_floor"]
+
+    def gate(name, kl, verdict):
+        return {"name": name, "dtype": "float16", "load": "ok", "positions": 2047, "kl_vs_exllamav3": kl,
+                "top1_vs_exllamav3": 0.995, "parted": 10, "floor_top1": 0.996, "floor_parted": 8, "paired_p": 0.3,
+                "greedy_mismatches": 0, "gate": True, "gate_vs_floor": verdict}
+
+    for study, rows in (("2026-12-06c", [gate("llama-b4", 9e-5, False)]),
+                        ("2026-12-06h", [gate("llama-b4", 1.8e-5, True), gate("llama-b3", 1.7e-5, False)])):
+        with open(tmp_path / f"{study}-gate-h100.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, cols)
+            w.writeheader()
+            w.writerows(rows)
+    with open(tmp_path / "2026-12-06k-corpus-cpu.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["name", "dtype", "load"])
+        w.writeheader()
+        w.writerow({"name": "llama-b4", "dtype": "float32", "load": "ok"})
+    out = tmp_path / "table.csv"
+    monkeypatch.setattr(sys, "argv", ["corpus_table.py", "--results", str(tmp_path), "--csv", str(out)])
+    corpus_table.main()
+    rows = {r["setting"]: r for r in csv.DictReader(open(out))}
+    assert rows["llama-b4"]["fp16 vs floor"] == "pass (2026-12-06h)"  # the newer run, not 06c's fail
+    assert rows["llama-b4"]["fp16 KL / top-1"] == "1.8e-05 / 99.50%" and rows["llama-b4"]["cpu"] == "ok (2026-12-06k)"
+    assert rows["llama-b3"]["fp16 vs floor"] == "FAIL (2026-12-06h)" and rows["llama-b3"]["cpu"] == "no CPU row"
+    assert rows["llama-b5"]["gpu"] == "no gate row"
