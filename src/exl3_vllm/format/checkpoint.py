@@ -220,8 +220,9 @@ class Checkpoint:
     def _check_vision(self) -> None:
         """A Qwen-VL vision tower quantized by the converter keeps attention as split EXL3 q/k/v, which vLLM's tower
         (one qkv layer) cannot load: the checkpoint serves as text only (docs/format.md 1.9)."""
-        split = sorted(k for k, m in self.modules.items() if isinstance(m, Exl3Spec) and _UNLISTED.search(k)
-                       and k.endswith(".attn.q_proj"))
+        self.split_vision_qkv = split = sorted(
+            k for k, m in self.modules.items() if isinstance(m, Exl3Spec) and _UNLISTED.search(k)
+            and k.endswith(".attn.q_proj"))
         if split:
             more = f" and {len(split) - 1} more blocks" if len(split) > 1 else ""
             self.warnings.append(f"{split[0]}{more}: the vision tower's attention is stored as split EXL3 q/k/v "

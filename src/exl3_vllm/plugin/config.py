@@ -196,13 +196,12 @@ class Exl3Config(QuantizationConfig):
         return None
 
     def _check_split_qkv(self, prefix: str) -> None:
-        """exllamav3 quantizes a Qwen-VL vision tower's fused attn.qkv as three EXL3 modules q_proj/k_proj/v_proj
-        (--vision_bits); vLLM's tower has the one qkv layer and would fail on their tensors after building it."""
+        """A vision tower's attention the checkpoint stores as split EXL3 q/k/v (Checkpoint.split_vision_qkv): vLLM's
+        tower has the one qkv layer and would fail on their tensors after building it."""
         head, _, last = prefix.rpartition(".")
-        if last != "qkv":
-            return
-        split = [k for s in ("q_proj", "k_proj", "v_proj") for k in self.resolver.lookup(f"{head}.{s}")]
-        if any(isinstance(self.checkpoint.modules.get(k), Exl3Spec) for k in split):
+        split = [k for k in self.resolver.lookup(f"{head}.q_proj") if k in self.checkpoint.split_vision_qkv] \
+            if last == "qkv" else []
+        if split:
             raise Exl3FormatError(
                 f"{prefix!r}: the checkpoint quantized this vision attention as separate EXL3 q_proj/k_proj/v_proj "
                 "modules (exllamav3 --vision_bits), which vLLM's vision tower (one fused qkv layer) cannot load "
