@@ -59,8 +59,10 @@ QWEN35_PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216
                        "processor_class": "Qwen3VLProcessor"}
 # Seconds of training for models whose steps are slow (transformers' reference gated-delta-net code on the device).
 TRAIN_SECONDS = {"qwen3.5-mtp": 240, "qwen3.5-mtp-2l": 200}
-# The vision tokens: ids of the tokenizer's reserved specials (make_tokenizer), never produced by text.
-QWEN35_TOKENS = {"image_token_id": 3, "video_token_id": 4, "vision_start_token_id": 5, "vision_end_token_id": 6}
+# The vision placeholders, specials after <pad>, <s>, </s> (ids 3-6): Qwen-VL's names, never produced by text.
+VISION_SPECIALS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                   "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+QWEN35_TOKENS = {k: 3 + i for i, k in enumerate(VISION_SPECIALS)}
 MODELS["qwen3.5-mtp"] = ("Qwen3_5ForConditionalGeneration", {"model_type": "qwen3_5"})
 # Two layers (one of each kind) for a CI fixture with a trained draft.
 MODELS["qwen3.5-mtp-2l"] = ("Qwen3_5ForConditionalGeneration", {"model_type": "qwen3_5", "num_hidden_layers": 2,
@@ -90,8 +92,6 @@ def split_text(text_dir: str, out: str) -> tuple[str, str]:
     return tp, hp
 
 
-VISION_SPECIALS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # ids 3-6
-
 
 def make_tokenizer(train_txt: str, out: str) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -100,7 +100,7 @@ def make_tokenizer(train_txt: str, out: str) -> str:
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"] + VISION_SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", *VISION_SPECIALS.values()],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train([train_txt], trainer)
     assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
