@@ -7,7 +7,8 @@ a near tie, as in the gate), and the draft's acceptance, on held-out text (here,
 
 Prompts: consecutive held-out windows (make_models.py's split, the checkpoint's tokenizer). Acceptance is vLLM's
 spec-decode counters: accepted draft tokens over drafted ones, and tokens per verification step (1 + accepted per
-draft). Prints one JSON line per draft length.
+draft). `--alone` also generates each prompt by itself in the same engines (concurrency 1 beside the batch of all
+prompts, as the issue's exactness contract asks). Prints one JSON line per draft length.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=96)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--alone", action="store_true", help="also each prompt alone (c=1), compared the same way")
     ap.add_argument("--csv", help="also write the rows here")
     a = ap.parse_args()
     cfg = json.load(open(os.path.join(a.ckpt, "config.json")))
@@ -45,39 +47,50 @@ def main() -> None:
     base = {"enable_prefix_caching": False, "max_num_seqs": a.prompts, "max_model_len": a.prompt_len + a.tokens + 16,
             **kit_llm_args(cfg)}
     env = stubs_env()
+    gen = {**base, "one_at_a_time": a.alone}
     spec = {k: start_engine(a.ckpt, "bfloat16", prompts, a.tokens, env=env,
-                            extra={**base, "speculative_config": {"method": "mtp", "num_speculative_tokens": k}})
+                            extra={**gen, "speculative_config": {"method": "mtp", "num_speculative_tokens": k}})
             for k in map(int, a.spec_tokens.split(","))}
-    plain = results(run_engine(a.ckpt, "bfloat16", prompts, a.tokens, env=env, extra=base))
+    plain = results(run_engine(a.ckpt, "bfloat16", prompts, a.tokens, env=env, extra=gen))
     vocab = (cfg.get("text_config") or cfg)["vocab_size"]
+
+    def first_diff(x, y):
+        return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+
+    def margins(key, got):
+        """Where a request parts from the undrafted one: the two tokens' log-probability gap there (undrafted)."""
+        parted = [(p, g, first_diff(p[key], g[key])) for p, g in zip(plain, got) if p[key] != g[key]]
+        if not parted:
+            return []
+        seqs = [{"prompt_token_ids": p["prompt_ids"] + p[key][:i + 1]} for p, _, i in parted]
+        dists = results(run_engine(a.ckpt, "bfloat16", seqs, 1, env=env, extra={**base, "full_prompt_logprobs": vocab}))
+        out = []
+        for (p, g, i), d in zip(parted, dists):
+            row = dict(map(tuple, d["prompt_dists"][-1]))
+            out.append(round(row[p[key][i]] - row[g[key][i]], 4))
+        return out
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
     rows = []
     for k, proc in spec.items():
         got = results(finish(proc))
-        # Where a request parts from the undrafted one: the two tokens' log-probabilities there (undrafted engine).
-        parted = [(p, g, next(i for i, (x, y) in enumerate(zip(p["tokens"], g["tokens"])) if x != y))
-                  for p, g in zip(plain, got) if p["tokens"] != g["tokens"]]
-        margins = []
-        if parted:
-            seqs = [{"prompt_token_ids": p["prompt_ids"] + p["tokens"][:i + 1]} for p, _, i in parted]
-            dists = results(run_engine(a.ckpt, "bfloat16", seqs, 1, env=env,
-                                       extra={**base, "full_prompt_logprobs": vocab}))
-            for (p, g, i), d in zip(parted, dists):
-                row = dict(map(tuple, d["prompt_dists"][-1]))
-                margins.append(round(row[p["tokens"][i]] - row[g["tokens"][i]], 4))
         c = got[0].get("spec_decode", {})
         drafts, drafted = c.get("vllm:spec_decode_num_drafts", 0), c.get("vllm:spec_decode_num_draft_tokens", 0)
         accepted = c.get("vllm:spec_decode_num_accepted_tokens", 0)
-        same = [next((i for i, (x, y) in enumerate(zip(p["tokens"], g["tokens"])) if x != y), len(p["tokens"]))
-                for p, g in zip(plain, got)]
-        rows.append({"ckpt": os.path.basename(a.ckpt.rstrip("/")), "spec_tokens": k, "prompts": len(prompts),
-                     "tokens_each": a.tokens, "identical_requests": sum(s == a.tokens for s in same),
-                     "first_difference": [s for s in same if s < a.tokens], "margin_there": margins,
-                     "beyond_tie": sum(m >= TIE["bfloat16"] for m in margins), "drafts": drafts,
-                     "draft_tokens": drafted, "accepted_tokens": accepted,
-                     "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-                     "tokens_per_step": round(1 + accepted / drafts, 3) if drafts else None, "commit": commit})
+        row = {"ckpt": os.path.basename(a.ckpt.rstrip("/")), "spec_tokens": k, "prompts": len(prompts),
+               "tokens_each": a.tokens}
+        for key, tag in [("tokens", "")] + ([("alone_tokens", "_alone")] if a.alone else []):
+            same = [first_diff(p[key], g[key]) for p, g in zip(plain, got)]
+            m = margins(key, got)
+            row.update({f"identical_requests{tag}": sum(s == a.tokens for s in same),
+                        f"first_difference{tag}": [s for s in same if s < a.tokens], f"margin_there{tag}": m,
+                        f"beyond_tie{tag}": sum(x >= TIE["bfloat16"] for x in m)})
+        # Acceptance counts every request the engine ran (with --alone, the batch and the lone runs together).
+        row.update({"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+                    "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+                    "tokens_per_step": round(1 + accepted / drafts, 3) if drafts else None, "commit": commit})
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
