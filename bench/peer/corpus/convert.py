@@ -76,8 +76,6 @@ JOBS = {
     # unquantized, then the converter's defaults for both (mtp_bits 4, the architecture's vision bits).
     "qwen3.5-mtp-b4": ("qwen3.5-mtp", ["-b", "4", "-mb", "4", "-vb", "16"], "mtp"),
     "qwen3.5-mtp-b3.5": ("qwen3.5-mtp", ["-b", "3.5"], "mtp"),
-    # The CI fixture candidate: two layers, embedding at 4 bits, the tower unquantized (about 3 MB).
-    "qwen3.5-mtp-2l-b4-eb4": ("qwen3.5-mtp-2l", ["-b", "4", "-mb", "4", "-vb", "16", "-eb", "4"], "mtp"),
 }
 EXL = [sys.executable, "-m"]
 

@@ -58,16 +58,12 @@ QWEN35_PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216
                        "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessorFast",
                        "processor_class": "Qwen3VLProcessor"}
 # Seconds of training for models whose steps are slow (transformers' reference gated-delta-net code on the device).
-TRAIN_SECONDS = {"qwen3.5-mtp": 240, "qwen3.5-mtp-2l": 200}
+TRAIN_SECONDS = {"qwen3.5-mtp": 240}
 # The vision placeholders, specials after <pad>, <s>, </s> (ids 3-6): Qwen-VL's names, never produced by text.
 VISION_SPECIALS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                    "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 QWEN35_TOKENS = {k: 3 + i for i, k in enumerate(VISION_SPECIALS)}
 MODELS["qwen3.5-mtp"] = ("Qwen3_5ForConditionalGeneration", {"model_type": "qwen3_5"})
-# Two layers (one of each kind) for a CI fixture with a trained draft.
-MODELS["qwen3.5-mtp-2l"] = ("Qwen3_5ForConditionalGeneration", {"model_type": "qwen3_5", "num_hidden_layers": 2,
-                                                                  "layer_types": ["linear_attention", "full_attention"],
-                                                                  "full_attention_interval": 2})
 MODELS["llama-2l"] = (MODELS["llama"][0], {**MODELS["llama"][1], "num_hidden_layers": 2})
 MODELS["qwen3-moe-2l"] = (MODELS["qwen3-moe"][0], {**MODELS["qwen3-moe"][1], "num_hidden_layers": 2})
 SEQ = 512
