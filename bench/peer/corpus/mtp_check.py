@@ -8,7 +8,8 @@ a near tie, as in the gate), and the draft's acceptance, on held-out text (here,
 Prompts: consecutive held-out windows (make_models.py's split, the checkpoint's tokenizer). Acceptance is vLLM's
 spec-decode counters: accepted draft tokens over drafted ones, and tokens per verification step (1 + accepted per
 draft). `--alone` also generates each prompt by itself in the same engines (concurrency 1 beside the batch of all
-prompts, as the issue's exactness contract asks). Prints one JSON line per draft length.
+prompts, as the issue's exactness contract asks), and adds the floor as a row with 0 draft tokens: the undrafted
+engine's batch against its own lone runs. Prints one JSON line per draft length.
 """
 from __future__ import annotations
 
@@ -57,35 +58,41 @@ def main() -> None:
     def first_diff(x, y):
         return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
 
-    def margins(key, got):
-        """Where a request parts from the undrafted one: the two tokens' log-probability gap there (undrafted)."""
-        parted = [(p, g, first_diff(p[key], g[key])) for p, g in zip(plain, got) if p[key] != g[key]]
-        if not parted:
-            return []
-        seqs = [{"prompt_token_ids": p["prompt_ids"] + p[key][:i + 1]} for p, _, i in parted]
-        dists = results(run_engine(a.ckpt, "bfloat16", seqs, 1, env=env, extra={**base, "full_prompt_logprobs": vocab}))
-        out = []
-        for (p, g, i), d in zip(parted, dists):
-            row = dict(map(tuple, d["prompt_dists"][-1]))
-            out.append(round(row[p[key][i]] - row[g[key][i]], 4))
-        return out
+    def compare(ref_key, got, got_key, tag):
+        """Where each request parts from the undrafted one: the first differing token, and there the two tokens'
+        log-probability gap in the undrafted engine (under bf16's tie margin is a near tie, as in the gate)."""
+        same = [first_diff(p[ref_key], g[got_key]) for p, g in zip(plain, got)]
+        parted = [(p, g, i) for p, g, i in zip(plain, got, same) if i < a.tokens]
+        m = []
+        if parted:
+            seqs = [{"prompt_token_ids": p["prompt_ids"] + p[ref_key][:i + 1]} for p, _, i in parted]
+            dists = results(run_engine(a.ckpt, "bfloat16", seqs, 1, env=env,
+                                       extra={**base, "full_prompt_logprobs": vocab}))
+            for (p, g, i), d in zip(parted, dists):
+                row = dict(map(tuple, d["prompt_dists"][-1]))
+                m.append(round(row[p[ref_key][i]] - row[g[got_key][i]], 4))
+        return {f"identical_requests{tag}": len(same) - len(parted), f"first_difference{tag}": [i for *_, i in parted],
+                f"margin_there{tag}": m, f"beyond_tie{tag}": sum(x >= TIE["bfloat16"] for x in m)}
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
+    name = os.path.basename(a.ckpt.rstrip("/"))
     rows = []
+    if a.alone:
+        # The floor: the undrafted engine against itself, all prompts together against each alone (batch shapes
+        # alone change the sums' order).
+        rows.append({"ckpt": name, "spec_tokens": 0, "prompts": len(prompts), "tokens_each": a.tokens,
+                     **compare("tokens", plain, "alone_tokens", ""), "commit": commit})
+        print(json.dumps(rows[-1]), flush=True)
     for k, proc in spec.items():
         got = results(finish(proc))
         c = got[0].get("spec_decode", {})
         drafts, drafted = c.get("vllm:spec_decode_num_drafts", 0), c.get("vllm:spec_decode_num_draft_tokens", 0)
         accepted = c.get("vllm:spec_decode_num_accepted_tokens", 0)
-        row = {"ckpt": os.path.basename(a.ckpt.rstrip("/")), "spec_tokens": k, "prompts": len(prompts),
-               "tokens_each": a.tokens}
-        for key, tag in [("tokens", "")] + ([("alone_tokens", "_alone")] if a.alone else []):
-            same = [first_diff(p[key], g[key]) for p, g in zip(plain, got)]
-            m = margins(key, got)
-            row.update({f"identical_requests{tag}": sum(s == a.tokens for s in same),
-                        f"first_difference{tag}": [s for s in same if s < a.tokens], f"margin_there{tag}": m,
-                        f"beyond_tie{tag}": sum(x >= TIE["bfloat16"] for x in m)})
+        row = {"ckpt": name, "spec_tokens": k, "prompts": len(prompts), "tokens_each": a.tokens,
+               **compare("tokens", got, "tokens", "")}
+        if a.alone:
+            row.update(compare("alone_tokens", got, "alone_tokens", "_alone"))
         # Acceptance counts every request the engine ran (with --alone, the batch and the lone runs together).
         row.update({"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
                     "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
@@ -94,7 +101,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, list(rows[0]))
+            w = csv.DictWriter(f, list(rows[-1]))
             w.writeheader()
             w.writerows(rows)
 
