@@ -256,6 +256,16 @@ def test_plan_full_presets():
     assert router.kind == "dense" and router.tensors[0].shape == (128, 2048)
     assert next(m for m in p.modules if m.key == "lm_head").kind == "dense"
 
+    # Qwen3.5-27B's decoder: 48 gated-delta-net layers and 16 gated attention layers (q_proj doubled by the output
+    # gate), and its MTP layer outside the decoder's average.
+    p = plan("qwen3.5-27b", bits=4)
+    lin = p.decoder_linears()
+    assert len(lin) == 48 * 6 + 16 * 7 and p.average_bpw == 4.0
+    shapes = {m.key.split(".", 4)[-1]: (m.k, m.n) for m in lin if ".layers.3." in m.key or ".layers.4." in m.key}
+    assert shapes["self_attn.q_proj"] == (5120, 2 * 24 * 256) and shapes["linear_attn.in_proj_qkv"] == (5120, 10240)
+    assert shapes["mlp.down_proj"] == (17408, 5120)
+    assert any(m.key == "mtp.layers.0.self_attn.q_proj" for m in p.modules)
+
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(config_or_preset="tiny-gpt"), "unknown preset"),

