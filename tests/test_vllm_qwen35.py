@@ -72,7 +72,7 @@ def engines(models):
     spec = start_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
                         extra={"speculative_config": SPEC, "one_at_a_time": True, **ENGINE, **text_only})
     plain = run_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
-                       extra={"full_prompt_logprobs": VOCAB, **ENGINE})
+                       extra={"full_prompt_logprobs": VOCAB, "one_at_a_time": True, **ENGINE})
     return results(plain), results(finish(spec))
 
 
@@ -100,22 +100,28 @@ def test_gated_delta_net_model_matches_its_dense_twin_bf16(models, engines):
 
 def test_mtp_speculation_changes_no_greedy_token(models, engines):
     """vLLM's MTP draft (method "mtp", 2 tokens) runs on the checkpoint's EXL3 mtp.* modules; verification sends
-    k + 1 rows per sequence through the main model. Greedy output must be the plain engine's up to near ties, 8
+    k + 1 rows per sequence through the main model. Greedy output must be the plain engine's up to near ties, 16
     requests together and each alone. The draft's weights are random, so nearly all its tokens are rejected: this
-    checks that the draft runs and changes nothing, not its acceptance."""
+    checks that the draft runs and changes nothing, not its acceptance. A near tie is a gap in the dense twin under
+    bf16's noise: 0.1, or where larger the largest gap at which the plain engine parts from itself (together against
+    alone) in the same run, the noise of this engine on this machine."""
     plain, runs = engines
     print("spec decode counters:", runs[0].get("spec_decode"))
     assert runs[0]["spec_decode"]["vllm:spec_decode_num_draft_tokens"] > 0
+    floor = max([parting_gap(models[1][1], p["prompt_ids"], p["tokens"], p["alone_tokens"]) for p in plain] + [0.0])
+    tie = max(0.1, floor)
+    print(f"plain engine together vs alone: largest gap where it parts {floor:.3f}; tie bound {tie:.3f}")
     for got, want in zip(runs, plain):
         for tokens in (got["tokens"], got["alone_tokens"]):
-            equal_or_parted_at_a_tie(models[1][1], want["prompt_ids"], want["tokens"], tokens)
+            gap = parting_gap(models[1][1], want["prompt_ids"], want["tokens"], tokens)
+            assert gap < tie, f"parted where the twin's gap is {gap:.3f} (tie bound {tie:.3f}): {tokens} / {want['tokens']}"
 
 
-def equal_or_parted_at_a_tie(dense, ids, want, got):
-    """Greedy tokens equal, or equal until a position where the two choices are within bf16's noise in the dense
-    twin (another batch sums in another order: on these near-uniform random models such ties are common)."""
+def parting_gap(dense, ids, want, got):
+    """0 when the greedy tokens are equal, else the dense twin's log-probability gap between the two tokens where
+    they first part (another batch sums in another order: on these near-uniform random models near ties are common)."""
     for i, (a, b) in enumerate(zip(want, got)):
         if a != b:
             lp = oracle(dense, ids + want[:i])[-1]
-            assert abs(lp[a] - lp[b]).item() < 0.1, f"token {i}: {b} instead of {a}, {abs(lp[a] - lp[b]).item():.3f} apart"
-            return
+            return abs(lp[a] - lp[b]).item()
+    return 0.0
