@@ -101,6 +101,8 @@ class Server:
                                          "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
         kw = kit_llm_args(json.load(open(os.path.join(self.model, "config.json"))))
         cmd += ["--language-model-only"] if kw.get("language_model_only") else []
+        # A config-only directory (serve_bench.py --kind bf16 --prepare-only) serves random weights of its shapes.
+        cmd += [] if any(f.endswith(".safetensors") for f in os.listdir(self.model)) else ["--load-format", "dummy"]
         cmd += ["--additional-config", json.dumps(kw["additional_config"])] if "additional_config" in kw else []
         if self.spec:
             cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": self.spec,
