@@ -1,4 +1,5 @@
-"""bench/serve_gpu: the exactness comparison rule and the report's ratios and goals, on made-up inputs."""
+"""bench/serve_gpu: the exactness comparison rule, the report's ratios and goals and the MTP speed table's ratios,
+on made-up inputs."""
 
 import json
 import os
@@ -77,3 +78,30 @@ def test_gptq_peer_names_its_linears():
     assert (q["quant_method"], q["bits"], q["group_size"], q["sym"], q["desc_act"]) == ("gptq", 4, 128, True, False)
     assert "mlp.down_proj" in q["modules_in_block_to_quantize"][0]
     assert "mlp.experts" in serve_bench.gptq_config({"num_experts": 8})["modules_in_block_to_quantize"][0]
+
+
+def test_mtp_report_ratios(tmp_path, capsys):
+    """mtp_speed --report: each row against the same model undrafted and against bf16 at the same draft length and
+    concurrency; acceptance and the synthetic rates as the rows carry them."""
+    import csv
+
+    import mtp_speed
+
+    def row(quantized, k, c, tok_s, rate=None):
+        res = {"output_throughput": tok_s, "completed": 8, "failed": 0, "mean_ttft_ms": 10.0, "mean_tpot_ms": 2.0}
+        if k:
+            res.update(spec_decode_acceptance_rate=rate, spec_decode_acceptance_length=1 + rate / 100)
+        return {"model": "/m/exl3" if quantized else "/m/bf16", "quantized": quantized, "spec_tokens": k,
+                "concurrency": c, "spec_extra": {"synthetic_acceptance_rates": [0.6]} if k else {}, "result": res}
+
+    rows = [row(True, 0, 1, 300.0), row(True, 1, 1, 450.0, 60.0), row(False, 0, 1, 200.0),
+            row(False, 1, 1, 250.0, 62.0)]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "t.csv"
+    mtp_speed.report([str(src)], str(out))
+    got = {(r["kind"], r["spec_tokens"]): r for r in csv.DictReader(open(out))}
+    assert float(got["exl3", "1"]["vs_undrafted"]) == 1.5 and float(got["exl3", "1"]["vs_bf16"]) == 1.8
+    assert float(got["bf16", "1"]["vs_undrafted"]) == 1.25 and float(got["exl3", "0"]["vs_bf16"]) == 1.5
+    assert got["exl3", "1"]["acceptance_pct"] == "60.0" and got["exl3", "1"]["synthetic_rates"] == "[0.6]"
+    assert got["bf16", "0"]["acceptance_pct"] == "" and "| exl3 | 1 | 1 |" in capsys.readouterr().out
