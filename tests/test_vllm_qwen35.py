@@ -114,7 +114,7 @@ def test_mtp_speculation_changes_no_greedy_token(models, engines):
     for got, want in zip(runs, plain):
         for tokens in (got["tokens"], got["alone_tokens"]):
             gap = parting_gap(models[1][1], want["prompt_ids"], want["tokens"], tokens)
-            assert gap < tie, f"parted where the twin's gap is {gap:.3f} (tie bound {tie:.3f}): {tokens} / {want['tokens']}"
+            assert gap < tie, f"parted where the twin's gap is {gap:.3f} (bound {tie:.3f}): {tokens} / {want['tokens']}"
 
 
 def parting_gap(dense, ids, want, got):

