@@ -24,7 +24,8 @@ def stubs_env() -> dict:
     that vLLM can import its Qwen3.5 / Qwen-VL modules; nothing where the real one is installed."""
     import importlib.util
 
-    if importlib.util.find_spec("torchvision"):
+    spec = importlib.util.find_spec("torchvision")
+    if spec and not (spec.origin or "").startswith(os.path.join(HERE, "stubs")):  # the stub may be imported already
         return {}
     return {"PYTHONPATH": os.path.join(HERE, "stubs") + os.pathsep + os.environ.get("PYTHONPATH", "")}
 

@@ -1,6 +1,7 @@
 """The exl3-vllm command line: synth -> inspect -> reload round trip, and bad input."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -160,14 +161,20 @@ def test_config_bits_speak_of_the_decoder_mtp_and_vision_are_reported_apart(tmp_
     assert "vision tower" not in text and "warning" not in text  # stored unquantized, as --vision_bits 16 does
 
 
-def test_a_vision_attention_quantized_as_split_qkv_is_refused_when_vllm_builds_the_tower(tmp_path):
+def test_a_vision_attention_quantized_as_split_qkv_runs_as_the_towers_qkv(tmp_path, monkeypatch):
     """exllamav3 --vision_bits stores a Qwen-VL tower's fused attn.qkv as EXL3 q_proj/k_proj/v_proj beside the source
-    qkv; vLLM's tower has one qkv layer. inspect warns; building the tower is refused with what to do (text-only
-    serving never builds it)."""
+    qkv; vLLM's tower has one qkv layer, which takes the three as its shards (tests/test_vllm_qwen35.py serves a real
+    one). A tower vLLM builds otherwise is refused with what to do (text-only serving never builds it)."""
     pytest.importorskip("vllm")
+    import importlib.util
+
     from safetensors.torch import load_file, save_file
 
     from exl3_vllm.format.errors import Exl3FormatError
+    from exl3_vllm.plugin import vision
+
+    if not importlib.util.find_spec("torchvision"):  # vLLM's Qwen-VL module imports it (tests/stubs/torchvision)
+        monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "stubs"))
     from exl3_vllm.plugin.config import Exl3Config
 
     out = tmp_path / "m"
@@ -181,12 +188,16 @@ def test_a_vision_attention_quantized_as_split_qkv_is_refused_when_vllm_builds_t
     save_file(extra, str(out / "model-vision.safetensors"), metadata={"format": "pt"})
     index["weight_map"].update({k: "model-vision.safetensors" for k in extra})
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert [w for w in Checkpoint(str(out)).warnings if "vision tower" in w] == [
-        "model.visual.blocks.0.attn.q_proj: the vision tower's attention is stored as split EXL3 q/k/v "
-        "(--vision_bits), which vLLM's tower cannot load; serve text only (--language-model-only) or convert with "
-        "--vision_bits 16"]
+    ck = Checkpoint(str(out))
+    assert ck.split_vision_qkv == ["model.visual.blocks.0.attn.q_proj"] and not ck.warnings
+    c = Exl3Config({"quant_method": "exl3"})
+    c.load_checkpoint(str(out))
+    specs = vision.split_qkv_specs(c, "visual.blocks.0.attn.qkv")
+    assert [s.key for s in specs] == [f"model.visual.blocks.0.attn.{p}_proj" for p in "qkv"]
+    assert vision.split_qkv_specs(c, "language_model.model.layers.3.self_attn.qkv_proj") is None  # not a tower's
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen2_5_VLForConditionalGeneration"]}))
     c = Exl3Config({"quant_method": "exl3"})
     c.load_checkpoint(str(out))
     with pytest.raises(Exl3FormatError, match="--language-model-only, or convert with --vision_bits 16"):
-        c._check_split_qkv("visual.blocks.0.attn.qkv")
-    c._check_split_qkv("language_model.model.layers.3.self_attn.qkv_proj")  # not a split vision qkv: no error
+        vision.split_qkv_specs(c, "visual.blocks.0.attn.qkv")

@@ -32,6 +32,15 @@ if __name__ == "__main__":
         kwargs.setdefault("disable_log_stats", False)  # the spec-decode counters reported below
     llm = LLM(model=model, dtype=dtype, seed=0, **{"max_model_len": 256, "max_num_seqs": 8, "enforce_eager": True,
                                                     **kwargs})
+    # A prompt {"prompt": ..., "noise_image": [seed, side]} carries a side x side RGB noise image (vision towers).
+    for i, pr in enumerate(prompts):
+        if isinstance(pr, dict) and "noise_image" in pr:
+            import numpy as np
+            from PIL import Image
+
+            seed, side = pr.pop("noise_image")
+            pixels = (np.random.RandomState(seed).rand(side, side, 3) * 255).astype("uint8")
+            prompts[i] = {**pr, "multi_modal_data": {"image": Image.fromarray(pixels)}}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
                             prompt_logprobs=full or 1, detokenize=not full)
     results = []

@@ -1,5 +1,6 @@
 """An EXL3 checkpoint's dense reconstruction written as an unquantized Hugging Face checkpoint (every EXL3 linear as
-its `.weight`, every other tensor as stored, MTP and vision modules included): a bf16 baseline with the same weights
+its `.weight`, every other tensor as stored, MTP and vision modules included; a vision attention quantized as split
+q/k/v becomes the one `qkv` exllamav3 runs them as): a bf16 baseline with the same weights
 and the same draft, for serving benchmarks when the model the checkpoint came from is not at hand.
 
     .venv/bin/python bench/serve_gpu/dense_twin.py CKPT OUT [--dtype bfloat16]
@@ -38,6 +39,12 @@ def twin_state_dict(ck: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tenso
             continue
         t = ck.tensor(name)
         sd[name] = t.to(dtype) if t.is_floating_point() else t
+    for q in ck.split_vision_qkv:  # a quantized vision attention: its q/k/v as the one qkv, replacing the source
+        head = q[: -len("q_proj")]
+        for part in ("weight", "bias"):
+            pieces = [sd.pop(f"{head}{s}_proj.{part}", None) for s in "qkv"]
+            if all(x is not None for x in pieces):
+                sd[f"{head}qkv.{part}"] = torch.cat(pieces)
     return sd
 
 

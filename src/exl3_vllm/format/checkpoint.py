@@ -218,16 +218,10 @@ class Checkpoint:
                 raise fail(f"{where}{key} must be an integer >= {least}, found {_short(v)}")
 
     def _check_vision(self) -> None:
-        """A Qwen-VL vision tower quantized by the converter keeps attention as split EXL3 q/k/v, which vLLM's tower
-        (one qkv layer) cannot load: the checkpoint serves as text only (docs/format.md 1.9)."""
-        self.split_vision_qkv = split = sorted(
-            k for k, m in self.modules.items() if isinstance(m, Exl3Spec) and _UNLISTED.search(k)
-            and k.endswith(".attn.q_proj"))
-        if split:
-            more = f" and {len(split) - 1} more blocks" if len(split) > 1 else ""
-            self.warnings.append(f"{split[0]}{more}: the vision tower's attention is stored as split EXL3 q/k/v "
-                                 "(--vision_bits), which vLLM's tower cannot load; serve text only "
-                                 "(--language-model-only) or convert with --vision_bits 16")
+        """A Qwen-VL vision tower quantized by the converter keeps attention as split EXL3 q/k/v beside the fused
+        source (docs/format.md 1.9); the plugin runs them as one qkv layer."""
+        self.split_vision_qkv = sorted(k for k, m in self.modules.items() if isinstance(m, Exl3Spec)
+                                       and _UNLISTED.search(k) and k.endswith(".attn.q_proj"))
 
     def _check_experts(self) -> None:
         """Routed experts whose gate and up differ in K or codebook (hand-written recipes write them): vLLM fuses

@@ -15,7 +15,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from .. import settings
 from ..format.checkpoint import Checkpoint, DenseSpec, EmbeddingSpec, Exl3Spec
 from ..format.errors import Exl3FormatError
-from . import compat
+from . import compat, vision
 from .names import NameResolver, canonical
 
 logger = logging.getLogger("exl3_vllm")
@@ -154,6 +154,9 @@ class Exl3Config(QuantizationConfig):
                 return Exl3EmbeddingMethod(self, prefix, spec)
             return None
         if isinstance(layer, (LinearBase, ParallelLMHead)):
+            split = vision.split_qkv_specs(self, prefix)
+            if split is not None:
+                return Exl3LinearMethod(self, prefix, split)
             sliced = self.sliced_specs(prefix)
             if sliced is not None:
                 from .linear_method import SlicedExl3LinearMethod
@@ -161,7 +164,6 @@ class Exl3Config(QuantizationConfig):
                 return SlicedExl3LinearMethod(self, prefix, sliced)
             specs = self.specs_for(prefix)
             kinds = {type(s).__name__ for _, s in specs if s is not None}
-            self._check_split_qkv(prefix)
             if "EmbeddingSpec" in kinds:
                 raise Exl3FormatError(f"{prefix!r} is a linear layer in vLLM but a quantized embedding table in "
                                       "the checkpoint", file=self.checkpoint.path, tensor=prefix,
@@ -194,19 +196,6 @@ class Exl3Config(QuantizationConfig):
                 return Exl3MoEMethod(self, prefix, layer)
             return None
         return None
-
-    def _check_split_qkv(self, prefix: str) -> None:
-        """A vision tower's attention the checkpoint stores as split EXL3 q/k/v (Checkpoint.split_vision_qkv): vLLM's
-        tower has the one qkv layer and would fail on their tensors after building it."""
-        head, _, last = prefix.rpartition(".")
-        split = [k for k in self.resolver.lookup(f"{head}.q_proj") if k in self.checkpoint.split_vision_qkv] \
-            if last == "qkv" else []
-        if split:
-            raise Exl3FormatError(
-                f"{prefix!r}: the checkpoint quantized this vision attention as separate EXL3 q_proj/k_proj/v_proj "
-                "modules (exllamav3 --vision_bits), which vLLM's vision tower (one fused qkv layer) cannot load "
-                "yet", file=self.checkpoint.path, tensor=split[0],
-                fix="serve text only with --language-model-only, or convert with --vision_bits 16")
 
     @property
     def resolver(self) -> NameResolver:
