@@ -41,6 +41,21 @@ def test_rows_without_positions_get_the_bound_verdict():
         "gate_vs_floor"] is False  # the KL bound still holds the row
 
 
+def test_moe_kl_bound_is_judged_off_router_near_ties():
+    """An MoE row whose mean KL is over the bound only through positions where a router sat on a near tie (an expert
+    choice flipped on rounding) passes; KL at a position off the ties still counts, and so does a tie's far gap."""
+    worst = [{"pos": 669, "kl": 0.4, "min_gap": 1e-5}, {"pos": 112, "kl": 0.1, "min_gap": 1e-4},
+             {"pos": 149, "kl": 0.02, "min_gap": 0.009}]
+    row = {"name": "moe", "dtype": "float16", "positions": 2000, "kl_vs_exllamav3": 0.6 / 2000, "paired_p": 0.9,
+           "greedy_mismatches": [], "router_near_ties": 100, "worst_router_gaps": worst, "gate_vs_floor": False}
+    assert compare.kl_off_router_ties(row) == pytest.approx(0.1 / 1900)  # 0.6 less the two ties' 0.5 nats
+    out = gate_table.flat(row)
+    assert out["kl_off_router_ties"] == pytest.approx(0.1 / 1900) and out["gate_vs_floor"] is True
+    far = [{**w, "min_gap": 0.01} for w in worst]  # the same KL where no router was near a tie: the bound holds it
+    assert gate_table.flat({**row, "worst_router_gaps": far})["gate_vs_floor"] is False
+    assert compare.kl_off_router_ties({**row, "router_near_ties": 0}) is None  # a dense row: the mean as it is
+
+
 def test_corpus_table_takes_each_settings_latest_gate_and_cpu_rows(tmp_path, monkeypatch):
     """corpus_table.py: per converter job, the newest study's rows; a failed verdict shows; a job never gated says so."""
     import csv

@@ -14,13 +14,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import ALPHA, paired_p, vs_floor  # noqa: E402
+from compare import ALPHA, kl_off_router_ties, paired_p, vs_floor  # noqa: E402
 
 COLUMNS = ["name", "dtype", "load", "positions", "kl_vs_exllamav3", "top1_vs_exllamav3", "parted", "parted_margin_max",
            "parted_beyond_tie", "floor_kl", "floor_top1", "floor_parted", "floor_parted_margin_max",
            "floor_parted_beyond_tie", "paired_p", "paired_from", "greedy_compared", "greedy_near_ties",
            "greedy_mismatches", "gate", "gate_at_floor", "gate_partings", "gate_vs_floor",
-           "kl_unquantized_vs_exllamav3", "kl_unquantized_vs_vllm", "init_s"]
+           "kl_unquantized_vs_exllamav3", "kl_unquantized_vs_vllm", "init_s", "router_near_ties",
+           "kl_off_router_ties"]
 
 
 def _num(v):
@@ -46,8 +47,14 @@ def flat(r: dict) -> dict:
         out["parted"] = round((1 - top1) * n)
     if out["floor_parted"] in (None, "") and ftop1 is not None:
         out["floor_parted"] = round((1 - ftop1) * n)
+    if out["kl_off_router_ties"] in (None, "") and isinstance(r.get("worst_router_gaps"), list):
+        out["kl_off_router_ties"] = kl_off_router_ties({**r, "positions": n})
     if "paired_p" in r and r["paired_p"] is not None:
         out["paired_from"] = "positions"
+        off = _num(out["kl_off_router_ties"])
+        if kl is not None and off is not None:  # rows compare.py judged on the whole mean before kl_off_router_ties
+            out["gate_vs_floor"] = vs_floor(r.get("dtype"), min(kl, off), float(r["paired_p"]),
+                                            int(_num(out["greedy_mismatches"]) or 0))
     elif out["parted"] not in (None, "") and out["floor_parted"] not in (None, ""):
         out["paired_p"] = paired_p(int(out["parted"]), int(out["floor_parted"]))
         out["paired_from"] = "counts (bound)"
@@ -84,7 +91,9 @@ def main() -> None:
         name = r["name"] if r["name"] != last else ""
         last = r["name"]
         p = _num(r["paired_p"])
-        print(f"| {name} | {r['dtype']} | {sci(r['kl_vs_exllamav3'])} | {pct(r['top1_vs_exllamav3'])} | "
+        off = _num(r["kl_off_router_ties"])
+        kl = sci(r["kl_vs_exllamav3"]) + (f" (off router ties ≤ {off:.1e})" if off is not None else "")
+        print(f"| {name} | {r['dtype']} | {kl} | {pct(r['top1_vs_exllamav3'])} | "
               f"{sci(r['floor_kl'])}, {pct(r['floor_top1'])} | {r['parted']} / {r['floor_parted']} | "
               f"{'—' if p is None else f'{p:.2g}'} | {r['greedy_compared']} / {r['greedy_near_ties']} / "
               f"{r['greedy_mismatches']} | {'pass' if str(r['gate']) == 'True' else 'fail'} | "
