@@ -240,7 +240,8 @@ def main() -> None:
     ap.add_argument("--text-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--only", default=",".join(MODELS))
+    ap.add_argument("--only", default=",".join(MODELS), help="models to train, comma-separated; none: only the "
+                                                             "tokenizer and the held-out split")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     tp = os.path.join(args.out, "train.txt")
@@ -250,6 +251,8 @@ def main() -> None:
         return
     split_text(args.text_dir, args.out)
     make_tokenizer(tp, args.out)
+    if args.only == "none":  # the tokenizer and held-out text alone, for gating committed checkpoints
+        return
     procs = [subprocess.Popen([sys.executable, __file__, "--text-dir", args.text_dir, "--out", args.out,
                                "--steps", str(args.steps), "--worker", name]) for name in args.only.split(",")]
     bad = [p.args[-1] for p in procs if p.wait() != 0]

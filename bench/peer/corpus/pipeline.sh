@@ -18,7 +18,7 @@ stamp() { echo "[pipeline] $* (t+$(( $(date +%s) - T0 ))s)"; }
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=14 TORCH_EXTENSIONS_DIR=$C/ext
 for V in EXT_XZ EXT_SO NVRTC_TAR; do [ -n "${!V:-}" ] && declare $V="$(realpath "${!V}")"; done  # before the cd below
 # A private copy of what it runs: later device calls lay the working tree out anew under this process.
-mkdir -p $C/tree/.peer/src $C/tree/tests/data && cp -r bench src .whl $C/tree/ && cp -r tests/data/corpus $C/tree/tests/data/ \
+mkdir -p $C/tree/.peer/src $C/tree/tests && cp -r bench src .whl $C/tree/ && cp -r tests/data $C/tree/tests/ \
   && cp -r .peer/src/exllamav3 $C/tree/.peer/src/ \
   && cd $C/tree || { stamp "copy FAILED"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -43,7 +43,9 @@ if [ -n "${NVRTC_TAR:-}" ]; then
 fi
 # FIXTURES=committed (default): the CI fixtures in tests/data/corpus join the gate as they are, instead of being
 # converted again (their two embedding quantizations hold the GPU for minutes); their source models are not
-# retrained, so they have no unquantized reference. FIXTURES=convert makes new ones (then copy them into tests/).
+# retrained, so they have no unquantized reference. COMMITTED: the folders of tests/data whose checkpoints join so
+# (default corpus; "corpus qwen3.5" adds the committed Qwen3.5). With SET=fixture and MODELS=none nothing is trained
+# or converted: the committed checkpoints alone are gated. FIXTURES=convert makes new ones (then copy them into tests/).
 # FIXTURES=skip leaves them out (a sitting after one that gated them: four engines fewer).
 # SKIP_SET: sets an earlier sitting converted (SET=full SKIP_SET=gate converts the rest of the full set).
 SKIP=${SKIP_SET:+--skip-set $SKIP_SET}
@@ -51,12 +53,13 @@ if [ "${FIXTURES:-committed}" = skip ]; then
   SKIP="--skip-set fixture${SKIP_SET:+,$SKIP_SET}"
   : "${MODELS:=llama,llama-tied,qwen3,qwen3-moe}"
 elif [ "${FIXTURES:-committed}" = committed ]; then
-  mkdir -p $C/exl3 && cp -r tests/data/corpus/*/ $C/exl3/ && SKIP="--skip-set fixture${SKIP_SET:+,$SKIP_SET}"
+  mkdir -p $C/exl3 && for D in ${COMMITTED:-corpus}; do cp -r tests/data/$D/*/ $C/exl3/ || exit 1; done \
+    && SKIP="--skip-set fixture${SKIP_SET:+,$SKIP_SET}"
   python3 - $C/exl3 <<'PY'
 import json, os, sys
 d = sys.argv[1]
 names = sorted(n for n in os.listdir(d) if os.path.isfile(os.path.join(d, n, "config.json")))
-json.dump([{"name": n, "model": "committed fixture", "rc": 0, "seconds": 0, "cmd": "tests/data/corpus"} for n in names],
+json.dump([{"name": n, "model": "committed fixture", "rc": 0, "seconds": 0, "cmd": "tests/data"} for n in names],
           open(os.path.join(d, "convert.json"), "w"), indent=1)
 PY
   : "${MODELS:=llama,llama-tied,qwen3,qwen3-moe}"
