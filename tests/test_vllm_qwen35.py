@@ -208,3 +208,12 @@ def test_a_real_quantized_vision_tower_sees_images_as_its_dense_twin_does(tmp_pa
     other = kl(after_image(ours[0]), after_image(ours[1])).mean().item()
     print(f"KL between the two images' predictions (EXL3): {other:.3f}")
     assert other >= 0.2
+
+
+def test_a_vision_tower_too_narrow_to_split_names_the_data_parallel_encoder(tmp_path):
+    """At tensor_parallel_size 2 the fixture's vision qkv shards (128 columns) cannot split into multiples of 128:
+    refused at load, naming the layer, with vLLM's option to run the tower whole on every GPU."""
+    proc = run_engine(REAL, "bfloat16", ["w1 w2"], 1, tp=2, env=STUBS, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "visual.blocks.0.attn.qkv" in out and "multiples of 128" in out, out[-3000:]
+    assert "--mm-encoder-tp-mode data" in out, out[-3000:]

@@ -16,6 +16,7 @@ from ..format.hadamard import HAD
 from ..format.reconstruct import w_hat
 from .loading import damaged, marker, tp_hint
 from .names import shard_groups
+from .vision import tp_note
 from .op import exl3_linear, prepare_layer
 
 _QKV = {"q": 0, "k": 1, "v": 2}
@@ -137,7 +138,8 @@ class Exl3LinearMethod(LinearMethodBase):
                             f"{self.prefix}: shard {spec.key} is {part} columns per rank at "
                             f"tensor_parallel_size={tp_size}; EXL3 can only split on multiples of 128 columns",
                             file=self.config.checkpoint.path, tensor=spec.key,
-                            fix=f"use {tp_hint(part * tp_size // max(1, replicas if i else 1), tp_size)}")
+                            fix=f"use {tp_hint(part * tp_size // max(1, replicas if i else 1), tp_size)}"
+                                f"{tp_note(self.prefix)}")
                     width, start = part, rank * part
                     if start + width > spec.n:
                         raise self._shape_error(spec, f"n={spec.n}", f"{start + width} at rank {tp_rank}")
@@ -151,7 +153,7 @@ class Exl3LinearMethod(LinearMethodBase):
                     f"{self.prefix}: {input_size_per_partition} input rows per rank at "
                     f"tensor_parallel_size={tp_size}; EXL3 can only split on multiples of 128 rows",
                     file=self.config.checkpoint.path, tensor=self.specs[0].key,
-                    fix=f"use {tp_hint(input_size, tp_size)}")
+                    fix=f"use {tp_hint(input_size, tp_size)}{tp_note(self.prefix)}")
             k_param = input_size_per_partition if tp_size > 1 else self.specs[0].k
             k_start = tp_rank * input_size_per_partition if tp_size > 1 else 0
         else:

@@ -40,6 +40,12 @@ def split_qkv_specs(config, prefix: str) -> list | None:
     return [ck.modules[k[0]] for k in keys]
 
 
+def tp_note(prefix: str) -> str:
+    """What a tensor-parallel refusal adds for a vision tower's layer: vLLM can run the tower whole on every GPU."""
+    return (", or --mm-encoder-tp-mode data to run the whole vision tower on every GPU"
+            if prefix.startswith("visual.") or ".visual." in prefix else "")
+
+
 def _teach_tower_loader() -> None:
     """Once per process: Qwen3_VisionTransformer.load_weights renames a split block's q/k/v_proj tensors to the
     attn.q./k./v. names its mapper stacks into qkv, and drops that block's unquantized qkv source; a tower whose qkv
