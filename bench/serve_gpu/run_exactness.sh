@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call 2 (carry .vkit/c2): the last kit part, then exactness of our kernels inside vLLM (README.md here).
+# Device call 2 (carry the last kit part, e.g. .vkit/c1): that part, then exactness of our kernels inside vLLM
+# (README.md here).
 set -uo pipefail
 T0=$(date +%s)
 part=${1:?usage: run_exactness.sh .vkit/cN}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Device call 1 (carry .vkit/c0): the first kit part, plus the work that needs no vLLM; see README.md here.
+# Device call 1 (carry one kit part, the smallest beside the cache: .vkit26/c2): the part, plus the work that needs
+# no vLLM; see README.md here.
 set -uo pipefail
-part=${1:?usage: run_prepare.sh .vkit/c0}
+part=${1:?usage: run_prepare.sh .vkit26/c2}
 export OUT=${OUT:-/tmp/serve-out}; mkdir -p "$OUT"
 bash "$part/stage.sh" "$part"; echo "stage rc=$? (3 = parts still missing, expected here)"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
