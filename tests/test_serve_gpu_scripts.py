@@ -31,6 +31,23 @@ def test_compare_rule():
     assert not lp["pass"] and abs(lp["max_prompt_logprob_diff"] - 0.1) < 1e-9
 
 
+def test_summary_judges_again_at_the_reference_engines_own_noise():
+    """Where the reference engine parts from itself (batched vs single) by more than tol, the kernels are also judged
+    at that noise; under tol nothing is added."""
+    ref = _run([1, 2, 3, 4], [-1.0] * 4, [-2.0] * 4, [-3.0, -4.0])
+    off = _run([1, 2, 3, 4], [-1.0] * 4, [-2.0] * 4, [-3.0, -4.12])  # 0.12 from ref
+    noisy = _run([1, 2, 3, 4], [-1.0] * 4, [-2.0] * 4, [-3.0, -4.2])  # the reference's own single run: 0.2 off
+    raw = {"results": {"kernels": {"batched": [off], "single": [off], "init_s": 1, "batched_s": 1, "single_s": 1},
+                       "reference": {"batched": [ref], "single": [noisy], "init_s": 1, "batched_s": 1,
+                                     "single_s": 1}}}
+    s = exactness.summarize(raw, 0.05)
+    assert not s["pass"] and abs(s["reference_noise"] - 0.2) < 1e-9 and s["pass_at_reference_noise"]
+    raw["results"]["reference"]["single"] = [ref]
+    s = exactness.summarize(raw, 0.05)
+    assert not s["pass"] and s["reference_noise"] == 0 and "pass_at_reference_noise" not in s
+    assert "reference engine's own noise" not in exactness.table(s)
+
+
 def _row(kind, n, c, tok_s, tpot, ttft):
     return {"kind": kind, "input_len": n, "output_len": 256, "concurrency": c, "num_prompts": 8, "seed": n + c,
             "rc": 0, "command": f"bench {kind} {n} {c}",

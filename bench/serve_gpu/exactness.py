@@ -144,6 +144,16 @@ def summarize(raw: dict, tol: float) -> dict:
             s["checks"][f"{name}_batched_vs_single"] = compare(res[name]["single"], res[name]["batched"], tol)
     need = ("kernels_vs_reference", "kernels_batched_vs_single")
     s["pass"] = all(s["checks"].get(n, {}).get("pass", False) for n in need)
+    # The reference engine against itself (batched vs single) is this model's noise in this dtype. Where it is above
+    # tol (gated-delta-net models in bf16 reached 0.275), the checks are also judged at that noise.
+    if "reference" in res and "kernels" in res:
+        own = s["checks"]["reference_batched_vs_single"]
+        noise = max(own["max_prompt_logprob_diff"], own["max_decode_logprob_diff"])
+        s["reference_noise"] = noise
+        if noise > tol:
+            s["pass_at_reference_noise"] = (
+                compare(res["kernels"]["batched"], res["reference"]["batched"], noise)["pass"]
+                and compare(res["kernels"]["single"], res["kernels"]["batched"], noise)["pass"])
     return s
 
 
@@ -155,6 +165,9 @@ def table(s: dict) -> str:
                     f"{c['greedy_tokens_equal']:>5} {len(c['parted_at_near_tie']):>10} "
                     f"{len(c['greedy_mismatches']):>8}  {c['pass']}")
     rows.append(f"EXACTNESS {'PASS' if s['pass'] else 'FAIL'}")
+    if "pass_at_reference_noise" in s:
+        rows.append(f"at the reference engine's own noise ({s['reference_noise']:.4f}, batched vs single): "
+                    f"{'PASS' if s['pass_at_reference_noise'] else 'FAIL'}")
     return "\n".join(rows)
 
 
