@@ -194,7 +194,7 @@ class Checkpoint:
             self.unsupported.append((NGRAM_FILE, "hashed n-gram embedding tables (exllamav3's --ngram_bits), "
                                                  "which vLLM's models do not read"))
         self._check_experts()
-        self._check_vision()
+        self._find_split_vision_qkv()
         self._check_storage()
         self._check_bits()
 
@@ -217,7 +217,7 @@ class Checkpoint:
             if v is not None and not (type(v) is int and v >= least):
                 raise fail(f"{where}{key} must be an integer >= {least}, found {_short(v)}")
 
-    def _check_vision(self) -> None:
+    def _find_split_vision_qkv(self) -> None:
         """A Qwen-VL vision tower quantized by the converter keeps attention as split EXL3 q/k/v beside the fused
         source (docs/format.md 1.9); the plugin runs them as one qkv layer."""
         self.split_vision_qkv = sorted(k for k, m in self.modules.items() if isinstance(m, Exl3Spec)

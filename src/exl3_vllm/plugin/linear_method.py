@@ -16,8 +16,8 @@ from ..format.hadamard import HAD
 from ..format.reconstruct import w_hat
 from .loading import damaged, marker, tp_hint
 from .names import shard_groups
-from .vision import tp_note
 from .op import exl3_linear, prepare_layer
+from .vision import tp_note
 
 _QKV = {"q": 0, "k": 1, "v": 2}
 
