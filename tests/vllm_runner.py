@@ -24,8 +24,10 @@ if __name__ == "__main__":
     kwargs.update(json.loads(os.environ.get("VLLM_RUNNER_EXTRA") or "{}"))
     # "full_prompt_logprobs": N also returns the whole distribution (N = the vocabulary) at every prompt position.
     full = kwargs.pop("full_prompt_logprobs", 0)
-    if full:
-        kwargs["max_logprobs"] = full
+    # "full_decode_logprobs": N the same at every generated position (with speculative decoding: the verifier's).
+    full_decode = kwargs.pop("full_decode_logprobs", 0)
+    if full or full_decode:
+        kwargs["max_logprobs"] = max(full, full_decode)
     # "one_at_a_time": also generate each prompt alone (concurrency 1) in the same engine, as "alone_tokens".
     alone = kwargs.pop("one_at_a_time", False)
     if kwargs.get("speculative_config"):
@@ -41,8 +43,9 @@ if __name__ == "__main__":
             seed, side = pr.pop("noise_image")
             pixels = (np.random.RandomState(seed).rand(side, side, 3) * 255).astype("uint8")
             prompts[i] = {**pr, "multi_modal_data": {"image": Image.fromarray(pixels)}}
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
-                            prompt_logprobs=full or 1, detokenize=not full)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=full_decode or 1, prompt_logprobs=full or 1,
+                            detokenize=not (full or full_decode))
     results = []
     for out in llm.generate(prompts, params):
         prompt_lp = []
@@ -52,6 +55,8 @@ if __name__ == "__main__":
                         "prompt_logprobs": prompt_lp})
         if full:
             results[-1]["prompt_dists"] = [[[t, v.logprob] for t, v in lp.items()] for lp in out.prompt_logprobs[1:]]
+        if full_decode:
+            results[-1]["decode_dists"] = [[[t, v.logprob] for t, v in lp.items()] for lp in out.outputs[0].logprobs]
     if alone:
         for r, p in zip(results, prompts):
             r["alone_tokens"] = list(llm.generate([p], params)[0].outputs[0].token_ids)
