@@ -77,11 +77,16 @@ def summarize(prof, use_cuda: bool) -> dict:
         kernels.append((t, e.count, e.key[:120], c))
     total = sum(cats.values()) or 1.0
     kernels.sort(reverse=True)
+    # Host side: our ops' own CPU time (inclusive: checks, dispatch, launches), what a step outside a CUDA graph pays.
+    host = [(e.cpu_time_total / 1000.0, e.count, e.key[:120]) for e in prof.key_averages()
+            if "exl3" in e.key and str(getattr(e, "device_type", "CPU")).endswith("CPU") and e.cpu_time_total > 0]
+    host.sort(reverse=True)
     return {"total_ms": round(total, 3),
             "by_category": {c: {"ms": round(v, 3), "share": round(v / total, 4)}
                             for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
             "exl3_gemm_by_tier_ms": {k: round(v, 3) for k, v in sorted(tiers.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"ms": round(t, 3), "calls": n, "name": k, "category": c} for t, n, k, c in kernels[:25]]}
+            "top_kernels": [{"ms": round(t, 3), "calls": n, "name": k, "category": c} for t, n, k, c in kernels[:25]],
+            "exl3_host_ms": [{"ms": round(t, 3), "calls": n, "name": k} for t, n, k in host[:10]]}
 
 
 def kind_of(res: dict) -> str:
@@ -194,6 +199,7 @@ def main() -> int:
                      rows=c * (plen if phase == "prefill" else out_tokens))
             res["phases"][f"{phase}-c{c}"] = s
             top = ", ".join(f"{k} {v['share']:.0%}" for k, v in list(s["by_category"].items())[:5])
+            top += "".join(f"; host {h['name']} {h['ms']:.1f} ms / {h['calls']} calls" for h in s["exl3_host_ms"][:1])
             print(f"[profile] {phase} c={c}: {s['total_ms']:.1f} ms of {'GPU' if use_cuda else 'CPU'} time, "
                   f"wall {wall:.2f} s: {top}", flush=True)
             json.dump(res, open(a.out, "w"), indent=1)
