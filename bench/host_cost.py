@@ -1,0 +1,71 @@
+"""Host (Python) cost of one call of our CUDA linear op, on any machine: launches, cuBLAS and CUDA queries stubbed.
+
+What a step outside a CUDA graph pays per layer before the GPU sees any work (issue 45: a 1k prefill at c=1 runs
+without a graph). Real launches (cuLaunchKernel, cuBLAS's host side) come on top.
+    .venv/bin/python bench/host_cost.py            # per-call microseconds, Llama-3-8B's four linears
+    .venv/bin/python bench/host_cost.py 1024       # also cProfile of one call shape (o_proj at that M)
+"""
+
+import cProfile
+import pstats
+import sys
+import threading
+import time
+import types
+
+import torch
+
+from exl3_vllm.kernels import nvrtc, op, runtime, tune
+
+
+class _Module:
+    def function(self, name, smem=0):
+        return name
+
+
+def stub() -> None:
+    """A stand-in H100 (132 SMs, sm_90) whose launches and GEMMs do nothing; the static dispatch."""
+    d = runtime.Device.__new__(runtime.Device)
+    d.index, d.device, d.arch, d.sms, d.smem_limit = 0, torch.device("cpu"), 90, 132, 227 * 1024
+    d.bufs, d._old, d.lock = {}, [], threading.Lock()
+    d.module = lambda src, defines: _Module()
+    op.device_for = lambda i: d
+    nvrtc.launch = lambda *a, **k: None
+    torch.cuda.current_stream = lambda dev=None: types.SimpleNamespace(cuda_stream=0)
+    torch.cuda.is_current_stream_capturing = lambda: False
+    tune.choice = lambda *a, **k: None
+    torch.mm = lambda a, b, out=None: out
+    torch.addmm = lambda c, a, b, out=None: out
+
+
+def args(m, k, sizes, bits=4):
+    n = sum(sizes)
+    return (torch.randn(m, k, dtype=torch.bfloat16), torch.zeros(k // 16, n // 16, 16 * bits, dtype=torch.int16),
+            torch.ones(len(sizes) * k, dtype=torch.float16), torch.ones(n, dtype=torch.float16), None, sizes, 0)
+
+
+def per_call_us(a, n=2000) -> float:
+    for _ in range(50):
+        op.linear_cuda(*a)
+    t = time.perf_counter()
+    for _ in range(n):
+        op.linear_cuda(*a)
+    return (time.perf_counter() - t) / n * 1e6
+
+
+LAYERS = (("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]), ("gate_up", 4096, [14336, 14336]),
+          ("down", 14336, [4096]))
+
+if __name__ == "__main__":
+    stub()
+    print("| M | path | " + " | ".join(name for name, _, _ in LAYERS) + " | one layer | 32 layers |")
+    print("|---" * (4 + len(LAYERS)) + "|")
+    for m in (1, 16, 64, 1024):
+        us = [per_call_us(args(m, k, sizes)) for _, k, sizes in LAYERS]
+        path = op.plan_for(op.device_for(0), m, 4096, 4096, 4, 0, [4096]).path
+        print(f"| {m} | {path} | " + " | ".join(f"{u:.0f} µs" for u in us) + f" | {sum(us):.0f} µs | "
+              f"{32 * sum(us) / 1000:.1f} ms |")
+    if len(sys.argv) > 1:
+        a = args(int(sys.argv[1]), 4096, [4096])
+        cProfile.run("for _ in range(2000): op.linear_cuda(*a)", "/tmp/host_cost.prof")
+        pstats.Stats("/tmp/host_cost.prof").sort_stats("tottime").print_stats(15)
