@@ -99,6 +99,40 @@ def test_gptq_peer_names_its_linears():
     assert "mlp.experts" in serve_bench.gptq_config({"num_experts": 8})["modules_in_block_to_quantize"][0]
 
 
+GPTQ_PROBE = """
+from vllm import LLM
+llm = LLM(model=MODEL, load_format="dummy", dtype="bfloat16", max_model_len=128, enforce_eager=True, skip_tokenizer_init=True,
+          distributed_executor_backend="uni")
+model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+for i, layer in enumerate(model.model.layers):
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        mod = layer.get_submodule(name)
+        print("LAYER", i, name, type(mod.quant_method).__name__, mod.qweight.dtype)
+"""
+
+
+def test_gptq_peer_config_quantizes_every_linear_in_vllm(tmp_path):
+    """The GPTQ peer's config on a weightless model (--load-format dummy, as the benchmark serves it): vLLM accepts
+    it and builds every decoder linear as a 4-bit GPTQ layer, not bf16. This is the CPU engine; that the GPU runs
+    Marlin with ~4-bit weight memory is for the sitting's log and report.py's memory table to show."""
+    import subprocess
+
+    import pytest
+    pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
+    import serve_bench
+    from engine import engine_env
+    from exl3_vllm.synth.presets import PRESETS
+
+    cfg = {k: v for k, v in PRESETS["tiny-llama"].items() if k != "quantization_config"}
+    cfg.update(torch_dtype="bfloat16", quantization_config=serve_bench.gptq_config(cfg))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-c", f"MODEL = {str(tmp_path)!r}" + GPTQ_PROBE], capture_output=True,
+                          text=True, timeout=600, env=engine_env())
+    layers = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("LAYER ")]
+    assert proc.returncode == 0 and len(layers) == 4 * cfg["num_hidden_layers"], proc.stderr[-3000:]
+    assert all("GPTQ" in q and w != "torch.bfloat16" for *_, q, w in layers), layers
+
+
 def test_mtp_report_ratios(tmp_path, capsys):
     """mtp_speed --report: each row against the same model undrafted and against bf16 at the same draft length and
     concurrency; acceptance and the synthetic rates as the rows carry them."""
