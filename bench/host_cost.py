@@ -4,9 +4,12 @@ What a step outside a CUDA graph pays per layer before the GPU sees any work (is
 without a graph). Real launches (cuLaunchKernel, cuBLAS's host side) come on top.
     .venv/bin/python bench/host_cost.py            # per-call microseconds, Llama-3-8B's four linears
     .venv/bin/python bench/host_cost.py 1024       # also cProfile of one call shape (o_proj at that M)
+    python3 bench/host_cost.py --gpu [--out F.json]  # on a GPU: real launches; our op against bf16's F.linear
 """
 
 import cProfile
+import json
+import os
 import pstats
 import sys
 import threading
@@ -56,7 +59,65 @@ def per_call_us(a, n=2000) -> float:
 LAYERS = (("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]), ("gate_up", 4096, [14336, 14336]),
           ("down", 14336, [4096]))
 
+def gpu(out: str | None) -> None:
+    """Host time per call with real launches (no sync inside the timed loop; few enough calls that the launch queue
+    never fills, so the host is what is timed): torch.ops.exl3.linear as vLLM's graph calls it, linear_cuda directly,
+    and F.linear on the dense bf16 weight (bf16's layer). Static dispatch (EXL3_VLLM_TUNE=0), mul1 codebook, 4 bits."""
+    os.environ.setdefault("EXL3_VLLM_TUNE", "0")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+
+    def host_us(fn, n=60) -> tuple[float, float]:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = time.perf_counter() - t
+        torch.cuda.synchronize()
+        return host / n * 1e6, (time.perf_counter() - t) / n * 1e6
+
+    big = None
+    for name, k, sizes in LAYERS:
+        n = sum(sizes)
+        tr = torch.randint(-32768, 32767, (k // 16, n // 16, 64), dtype=torch.int16, device=dev, generator=g)
+        suh = (torch.randint(0, 2, (len(sizes) * k,), device=dev, generator=g) * 2 - 1).half()
+        svh = (torch.rand(n, device=dev, generator=g) * 0.01).half()
+        w = torch.randn(n, k, dtype=torch.bfloat16, device=dev, generator=g)
+        op.prepare(k, n, 4, 2, 8192, dev, sizes)
+        for m in (1, 16, 64, 1024):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev, generator=g)
+            args = (x, tr, suh, svh, None, sizes, 2)
+            r = {"layer": name, "m": m, "path": str(op.plan_for(op.device_for(0), m, k, n, 4, 2, sizes))}
+            calls = {"op": lambda: torch.ops.exl3.linear(*args), "linear_cuda": lambda: op.linear_cuda(*args),
+                     "bf16": lambda: torch.nn.functional.linear(x, w)}
+            for key, fn in calls.items():
+                r[f"{key}_host_us"], r[f"{key}_wall_us"] = (round(v, 1) for v in host_us(fn))
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            big = args if (name, m) == ("gate_up", 1024) else big
+    for m in (1, 16, 64, 1024):
+        us = {key: sum(r[f"{key}_host_us"] for r in rows if r["m"] == m) for key in ("op", "linear_cuda", "bf16")}
+        print(f"M={m}: one layer's four calls, host µs: " + ", ".join(f"{k} {v:.0f}" for k, v in us.items()))
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(40):
+        torch.ops.exl3.linear(*big)
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    if out:
+        with open(out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
 if __name__ == "__main__":
+    if "--gpu" in sys.argv:
+        gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
+        sys.exit(0)
     stub()
     print("| M | path | " + " | ".join(name for name, _, _ in LAYERS) + " | one layer | 32 layers |")
     print("|---" * (4 + len(LAYERS)) + "|")
