@@ -641,3 +641,65 @@ def test_every_cuda_header_is_registered():
     from exl3_vllm.kernels.nvrtc import FILE_HEADERS
     cuda = resources.files("exl3_vllm.kernels").joinpath("cuda")
     assert {f.name for f in cuda.iterdir() if f.name.endswith(".cuh")} == set(FILE_HEADERS)
+
+
+@pytest.fixture
+def stub_gpu(monkeypatch):
+    """linear_cuda on CPU tensors with a stand-in H100 (132 SMs, sm_90): launches and cuBLAS calls are recorded as
+    (kernel name, grid) and ("mm", columns), nothing runs."""
+    import threading
+    from types import SimpleNamespace
+
+    from exl3_vllm.kernels import nvrtc, runtime
+
+    class Module:
+        def function(self, name, smem=0):
+            return name
+
+    d = runtime.Device.__new__(runtime.Device)
+    d.index, d.device, d.arch, d.sms, d.smem_limit = 0, torch.device("cpu"), 90, 132, 227 * 1024
+    d.bufs, d._old, d.lock = {}, [], threading.Lock()
+    d.module = lambda src, defines: Module()
+    calls = []
+    monkeypatch.setattr(kop, "device_for", lambda i: d)
+    monkeypatch.setattr(nvrtc, "launch", lambda f, grid, *a, **k: calls.append((f, tuple(grid))))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append(("mm", b.shape[1])))
+    monkeypatch.setattr(kop, "_RECIPES", {})
+    for name in settings.SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+def test_the_launch_recipe_is_keyed_by_every_setting_it_reads(stub_gpu, monkeypatch):
+    """A call's launches are decided once per shape and kept (steps outside CUDA graphs pay that host work on every
+    layer): the settings read while deciding are exactly the ones marked keys_call, so changing one of them changes
+    what the next call launches, and a repeated call launches the same kernels without deciding again."""
+    read = set()
+    real_raw, real_get = settings.raw, settings.get
+    monkeypatch.setattr(settings, "raw", lambda name: read.add(name) or real_raw(name))
+    monkeypatch.setattr(settings, "get", lambda name: read.add(name) or real_get(name))
+    keyed = {s.name for s in settings.SETTINGS.values() if s.keys_call}
+    trellis, suh, svh = _layer(1024, 3 * 1024, 4, shards=3)
+    suh = suh.reshape(-1)
+
+    def launches(m):
+        stub_gpu.clear()
+        kop.linear_cuda(torch.randn(m, 1024).bfloat16(), trellis, suh, svh, None, [1024, 1024, 1024], 2)
+        return list(stub_gpu)
+
+    for m in (1, 4, 16, 64, 129, 1024):
+        first = launches(m)
+        assert first and read <= keyed, (m, read - keyed)
+        made = len(kop._RECIPES)
+        assert launches(m) == first and len(kop._RECIPES) == made
+    assert launches(4)[0][0].startswith("exl3_input_i8")
+    monkeypatch.setenv("EXL3_VLLM_TIER", "h16")
+    assert [f for f, _ in launches(4)] == ["exl3_input_bf16", "exl3_gemm_h16s_bf16"]
+    monkeypatch.setenv("EXL3_VLLM_TIER", "")
+    monkeypatch.setenv("EXL3_VLLM_LARGE_M", "2")
+    assert launches(4) == [("exl3_recon_bf16", (64, 1, 1)), ("mm", 1024)] * 3
+    monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * 1024 * 512))
+    assert [f for f, _ in launches(4)] == ["exl3_recon_bf16", "mm"] * 6
+    assert read <= keyed, read - keyed

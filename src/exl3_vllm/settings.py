@@ -53,36 +53,40 @@ class Setting:
     doc: str
     developer: bool = False  # a knob for measuring and debugging the kernels, not for serving
     keys_tune: bool = False  # the measured dispatch's timings depend on it: part of its cache key
+    keys_call: bool = False  # the linear op's per-shape launch recipe depends on it: part of that cache's key
 
 
 _ALL = (
     Setting("EXL3_VLLM_BACKEND", "auto", _choice("auto", "kernels", "reference"),
             "auto: our kernels on CUDA, the format reference elsewhere; reference: the reference on any device"),
-    Setting("EXL3_VLLM_DETERMINISTIC", "0", _true, "no atomics in split-k: bit-identical results run to run"),
+    Setting("EXL3_VLLM_DETERMINISTIC", "0", _true, "no atomics in split-k: bit-identical results run to run",
+            keys_call=True),
     Setting("EXL3_VLLM_DEBUG_NAMES", "0", _true, "log the checkpoint modules found for every vLLM layer"),
     Setting("EXL3_VLLM_CACHE_DIR", "", _text, "where compiled kernels and tuning tables go (default "
             "$XDG_CACHE_HOME/exl3_vllm, else ~/.cache/exl3_vllm)"),
-    Setting("EXL3_VLLM_TUNE", "1", _on, "0: skip the measured dispatch and use the static plan"),
+    Setting("EXL3_VLLM_TUNE", "1", _on, "0: skip the measured dispatch and use the static plan", keys_call=True),
     Setting("EXL3_VLLM_DISABLE", "", _names, "kernel features left out of the dispatch, static and measured (cached "
             "choices included), comma-separated: tier names or globs (i* the mul1 int8 tiers, w* and x* the Hopper "
             "wgmma tiers, x* only their warp-specialized ones; a name covers its k8 and n twins), streamk, "
             "streamk-dp (stream-k shares out only the last wave), pdl (programmatic dependent launch)",
-            keys_tune=True),
-    Setting("EXL3_VLLM_TIER", "", _text, "force a tier (or 'dequant'), with ':fixed' or ':s<N>'", developer=True),
-    Setting("EXL3_VLLM_SPLITS", "", _opt_int, "force the split-k factor", developer=True),
+            keys_tune=True, keys_call=True),
+    Setting("EXL3_VLLM_TIER", "", _text, "force a tier (or 'dequant'), with ':fixed' or ':s<N>'", developer=True,
+            keys_call=True),
+    Setting("EXL3_VLLM_SPLITS", "", _opt_int, "force the split-k factor", developer=True, keys_call=True),
     Setting("EXL3_VLLM_LARGE_M", "128", _int, "rows above which the static plan takes dequantize + cuBLAS",
-            developer=True),
+            developer=True, keys_call=True),
     Setting("EXL3_VLLM_DEQUANT_BYTES", str(128 << 20), _int, "bytes of the large-M path's weight scratch",
-            developer=True),
+            developer=True, keys_call=True),
     Setting("EXL3_VLLM_FUSED_INPUT", "32", _text, "h8/h16 transform their own rows of x up to this many pieces "
             "per slot (32: bench/results/2026-12-04b-fused-input-h200.md); 0: never; all: wherever x fits",
-            developer=True, keys_tune=True),
+            developer=True, keys_tune=True, keys_call=True),
     Setting("EXL3_VLLM_TUNE_SPLITS", "512", _int, "the largest row bucket also timed at other split-k factors "
             "(0: none)", developer=True, keys_tune=True),
     Setting("EXL3_VLLM_EXTRA_DEFINES", "", _text, "NAME=V,... preprocessor defines added to every kernel compile",
-            developer=True),
+            developer=True, keys_call=True),
 )
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
+_CALL_KEYED = tuple(s.name for s in _ALL if s.keys_call)
 # Switches that EXL3_VLLM_DISABLE replaced: set to "0" they are refused with the new spelling, not ignored.
 RETIRED = {"EXL3_VLLM_INT8": "i4,i8", "EXL3_VLLM_WGMMA": "w*,x*", "EXL3_VLLM_WS": "x*",
            "EXL3_VLLM_STREAMK": "streamk", "EXL3_VLLM_STREAMK_DP": "streamk-dp", "EXL3_VLLM_PDL": "pdl"}
@@ -110,6 +114,12 @@ def get(name: str) -> Any:
     except ValueError as e:
         raise SettingError(f"{name}={v!r} is not valid ({e or 'expected ' + s.parse.__name__.strip('_')}): "
                            f"{s.doc}") from None
+
+
+def call_key() -> tuple:
+    """The raw values of the settings marked keys_call, read once each: what a cached launch recipe depends on."""
+    get = os.environ.get
+    return tuple(get(name) for name in _CALL_KEYED)
 
 
 def tune_digest() -> str:

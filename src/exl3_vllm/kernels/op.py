@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
@@ -122,6 +123,88 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
+@dataclass
+class _Recipe:
+    """What a call of one shape launches, decided once per (shape, settings, measured choice): the plan, the
+    kernels' handles, grids and shared memory, the workspace it needs and the GEMM's arguments besides the
+    addresses. A call then only checks its tensors, takes its buffers and launches (steps outside CUDA graphs pay
+    this host work on every layer)."""
+    p: Plan
+    lin: object
+    io: object
+    chunks: list = field(default_factory=list)  # dequant path: (shard, first column, columns)
+    input: str = ""  # "i8", "xh" (a separate transform), or "" (fused into the GEMM)
+    staged: bool = False  # xh in the ws tiers' bulk-copy layout
+    input_fn: object = None
+    xh_numel: int = 0
+    counters: int = 0
+    ws: str = ""
+    ws_numel: int = 0
+    args: GemmArgs | None = None
+    fx: bool = False
+    gemm_fn: object = None
+    grid: tuple = ()
+    block: tuple = ()
+    smem: int = 0
+    pdl: bool = False
+    reduce_fn: object = None
+    reduce_grid: tuple = ()
+
+
+_RECIPES: dict[tuple, _Recipe] = {}
+_MAX_RECIPES = 4096  # distinct row counts x layer shapes; cleared when full (a step of new sizes re-derives them)
+
+
+def _recipe(d, bf: bool, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: tuple, force) -> _Recipe:
+    p = plan_for(d, m, k, n_total, bits, codebook, list(sizes)) if force is None else \
+        plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
+    io = d.module(IO_SOURCE, None)
+    lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
+    r = _Recipe(p, lin, io)
+    if p.path == "dequant":
+        col = 0
+        for s, width in enumerate(sizes):
+            r.chunks += [(s, c0, min(p.chunk, col + width - c0)) for c0 in range(col, col + width, p.chunk)]
+            col += width
+        return r
+    tier = TIERS[p.tier]
+    if not whole_stages(tier, k // 16, p.steps_per_split):
+        raise KernelError(f"exl3 linear: tier {tier.name} runs {tier.ks} k16 steps per stage; k={k} with "
+                          f"{p.steps_per_split} steps per split is not whole stages (use its k8 twin)")
+    S = len(sizes)
+    r.fx = fused_input(tier, p, m, n_total, bits, d.sms, d.smem_limit)
+    if tier.int8:
+        r.input, r.xh_numel = "i8", S * (k // 16) * 256
+        r.input_fn = io.function("exl3_input_i8_bf16" if bf else "exl3_input_i8_f16", 4 * k)
+    elif not r.fx:
+        r.input, r.xh_numel, r.staged = "xh", S * m * k, bool(tier.ws)
+    det = deterministic()
+    mblocks = -(-m // tier.bm)
+    ncb = n_total // 128
+    r.counters = mblocks * ncb
+    if p.splits > 1 or p.stream:
+        r.ws, r.ws_numel = ("ws_slots", p.splits * m * n_total) if det else ("ws_atomic", m * n_total)
+    a = r.args = GemmArgs()
+    a.m, a.k, a.n_total = m, k, n_total
+    a.splits, a.steps_per_split, a.mode = p.splits, p.steps_per_split, 1 if det else 0
+    a.nshards = S
+    end = 0
+    for i, width in enumerate(sizes):
+        end += width // 128
+        a.shard_end[i] = end
+    a.stream, a.dp = p.stream, p.dp
+    a.mblocks = 1
+    r.smem = tier.smem_fx(bits, p.steps_per_split) if r.fx else tier.smem(bits)
+    r.gemm_fn = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else "fx" if r.fx else ""), bf), r.smem)
+    r.grid = (p.stream, 1, mblocks) if p.stream else (n_total // tier.cols, p.splits, mblocks)
+    r.block = (tier.threads, 1, 1)
+    r.pdl = pdl_enabled(d.arch)
+    if det and p.splits > 1:
+        r.reduce_fn = io.function("exl3_reduce_bf16" if bf else "exl3_reduce_f16")
+        r.reduce_grid = (ncb, -(-m // 8), 1)
+    return r
+
+
 def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, force: Choice | str | None = None):
     """Our kernels.  x [..., k] fp16/bf16 -> [..., n_total] in x.dtype; force picks the path (dispatch.Choice)."""
     k, n_total, sizes, bits = _check_cuda_args(x, trellis, suh, svh, bias, shard_sizes, codebook)
@@ -135,70 +218,49 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     suh = _aligned(suh)
     svh = _aligned(svh)
     d = device_for(x.device.index)
-    S = len(sizes)
-    p = plan_for(d, m, k, n_total, bits, codebook, sizes) if force is None else \
-        plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
-    io = d.module(IO_SOURCE, None)
-    lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
-    stream = torch.cuda.current_stream(x.device).cuda_stream
     bf = x.dtype == torch.bfloat16
-    if p.path == "dequant":
-        _dequant_path(d, lin, stream, x2, trellis, suh, svh, bias, sizes, y, k, n_total, p.chunk)
+    sizes = tuple(sizes)
+    key = (d.index, bf, m, k, n_total, bits, codebook, sizes, force,
+           None if force is not None else tune.choice(d, m, k, n_total, bits, codebook, sizes), settings.call_key())
+    r = _RECIPES.get(key)
+    if r is None:
+        r = _recipe(d, bf, m, k, n_total, bits, codebook, sizes, force)
+        if len(_RECIPES) >= _MAX_RECIPES:
+            _RECIPES.clear()
+        _RECIPES[key] = r
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    if r.p.path == "dequant":
+        _dequant_path(d, r, stream, x2, trellis, suh, svh, bias, y, k, n_total)
         return y.reshape(*lead, n_total)
     if bias is not None:
         bias = _aligned(bias.to(torch.float16))
-    tier = TIERS[p.tier]
-    if not whole_stages(tier, k // 16, p.steps_per_split):
-        raise KernelError(f"exl3 linear: tier {tier.name} runs {tier.ks} k16 steps per stage; k={k} with "
-                          f"{p.steps_per_split} steps per split is not whole stages (use its k8 twin)")
+    S = len(sizes)
     xmeta = None
-    if tier.int8:
-        xh = d.buf("xq", S * (k // 16) * 256, torch.int8)
+    if r.input == "i8":
+        xh = d.buf("xq", r.xh_numel, torch.int8)
         xmeta = d.buf("xmeta", S * 32, torch.float32)
-        nvrtc.launch(io.function("exl3_input_i8_bf16" if bf else "exl3_input_i8_f16", 4 * k), (INT8_MAX_M, S, 1),
-                     (1024, 1, 1), 4 * k, stream,
+        nvrtc.launch(r.input_fn, (INT8_MAX_M, S, 1), (1024, 1, 1), 4 * k, stream,
                      [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
                       ctypes.c_uint64(xh.data_ptr()), ctypes.c_uint64(xmeta.data_ptr()), ctypes.c_int32(m),
                       ctypes.c_int32(k)])
-    fx = fused_input(tier, p, m, n_total, bits, d.sms, d.smem_limit)
-    if fx:
-        xh = x2  # unused by the kernel; any valid pointer
-    elif not tier.int8:
-        xh = d.buf("xh", S * m * k, torch.float16)
-        launch_input(d, io, stream, x2, suh, xh, m, k, S, staged=bool(tier.ws))
-
-    det = deterministic()
-    mblocks = -(-m // tier.bm)
-    ncb = n_total // 128
-    counters = d.buf("counters", mblocks * ncb, torch.int32, zero=True)
-    ws = None
-    if p.splits > 1 or p.stream:
-        ws = d.buf("ws_slots", p.splits * m * n_total, torch.float32) if det else \
-            d.buf("ws_atomic", m * n_total, torch.float32, zero=True)
-    a = GemmArgs()
+    elif r.input == "xh":
+        xh = d.buf("xh", r.xh_numel, torch.float16)
+        launch_input(d, r.io, stream, x2, suh, xh, m, k, S, staged=r.staged)
+    else:
+        xh = x2  # fused: unused by the kernel; any valid pointer
+    counters = d.buf("counters", r.counters, torch.int32, zero=True)
+    ws = d.buf(r.ws, r.ws_numel, torch.float32, zero=r.ws in ZERO_BUFS) if r.ws else None
+    a = GemmArgs.from_buffer_copy(r.args)
     a.xh, a.trellis, a.svh, a.bias, a.out = xh.data_ptr(), trellis.data_ptr(), svh.data_ptr(), _ptr(bias), y.data_ptr()
-    a.ws, a.counters = _ptr(ws), counters.data_ptr()
-    a.m, a.k, a.n_total = m, k, n_total
-    a.splits, a.steps_per_split, a.mode = p.splits, p.steps_per_split, 1 if det else 0
-    a.nshards = S
-    end = 0
-    for i, s in enumerate(sizes):
-        end += s // 128
-        a.shard_end[i] = end
-    a.xmeta = _ptr(xmeta)
-    a.stream, a.dp = p.stream, p.dp
-    a.mblocks = 1
-    if fx:
+    a.ws, a.counters, a.xmeta = _ptr(ws), counters.data_ptr(), _ptr(xmeta)
+    if r.fx:
         a.xraw, a.suh = x2.data_ptr(), suh.data_ptr()
-    smem = tier.smem_fx(bits, p.steps_per_split) if fx else tier.smem(bits)
-    f = lin.function(gemm_kernel_name(tier.name + ("s" if p.stream else "fx" if fx else ""), bf), smem)
-    grid = (p.stream, 1, mblocks) if p.stream else (n_total // tier.cols, p.splits, mblocks)
-    nvrtc.launch(f, grid, (tier.threads, 1, 1), smem, stream, [a], overlap_previous=pdl_enabled(d.arch))
-    if det and p.splits > 1:
-        nvrtc.launch(io.function("exl3_reduce_bf16" if bf else "exl3_reduce_f16"), (ncb, -(-m // 8), 1), (256, 1, 1), 0,
-                     stream, [ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(p.splits), ctypes.c_int32(m),
-                              ctypes.c_int32(n_total), ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(_ptr(bias)),
-                              ctypes.c_uint64(y.data_ptr())])
+    nvrtc.launch(r.gemm_fn, r.grid, r.block, r.smem, stream, [a], overlap_previous=r.pdl)
+    if r.reduce_fn is not None:
+        nvrtc.launch(r.reduce_fn, r.reduce_grid, (256, 1, 1), 0, stream,
+                     [ctypes.c_uint64(ws.data_ptr()), ctypes.c_int32(r.p.splits), ctypes.c_int32(m),
+                      ctypes.c_int32(n_total), ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(_ptr(bias)),
+                      ctypes.c_uint64(y.data_ptr())])
     return y.reshape(*lead, n_total)
 
 
@@ -228,27 +290,23 @@ def launch_recon(d, lin, stream, trellis, suh_s, svh, wt, n_total, c0, cols, k):
                   ctypes.c_int32(c0), ctypes.c_int32(cols), ctypes.c_int32(k)])
 
 
-def _dequant_path(d, lin, stream, x2, trellis, suh, svh, bias, sizes, y, k, n_total, chunk):
+def _dequant_path(d, r: _Recipe, stream, x2, trellis, suh, svh, bias, y, k, n_total):
     """Per column chunk: the dense weight in x's dtype (both Hadamards, suh and svh folded in), then y's columns =
     x @ W (+ bias) by cuBLAS straight into y: no pass over x or y besides the GEMM's own. The bias is added in x's
     dtype here (vLLM passes it in the model's dtype, so that is exact there)."""
-    wbuf = d.buf("wscratch", k * chunk, torch.float16).view(x2.dtype)
+    wbuf = d.buf("wscratch", k * r.p.chunk, torch.float16).view(x2.dtype)
     suh2 = suh.view(-1, k)
     if bias is not None:
         bias = bias.to(x2.dtype)
-    col = 0
-    for s, width in enumerate(sizes):
-        for c0 in range(col, col + width, chunk):
-            cols = min(chunk, col + width - c0)
-            wt = wbuf[:cols * k].view(cols, k)
-            launch_recon(d, lin, stream, trellis, suh2[s], svh, wt, n_total, c0, cols, k)
-            if bias is None:
-                torch.mm(x2, wt.t(), out=y[:, c0:c0 + cols])
-            else:
-                # Into y's column slice cuBLAS rounds x @ W and then the sum with the bias (two roundings); the
-                # single-rounding epilogue needs a fresh contiguous result, and copying that into y costs more.
-                torch.addmm(bias[c0:c0 + cols], x2, wt.t(), out=y[:, c0:c0 + cols])
-        col += width
+    for s, c0, cols in r.chunks:
+        wt = wbuf[:cols * k].view(cols, k)
+        launch_recon(d, r.lin, stream, trellis, suh2[s], svh, wt, n_total, c0, cols, k)
+        if bias is None:
+            torch.mm(x2, wt.t(), out=y[:, c0:c0 + cols])
+        else:
+            # Into y's column slice cuBLAS rounds x @ W and then the sum with the bias (two roundings); the
+            # single-rounding epilogue needs a fresh contiguous result, and copying that into y costs more.
+            torch.addmm(bias[c0:c0 + cols], x2, wt.t(), out=y[:, c0:c0 + cols])
 
 
 # ---------------------------------------------------------------------------------------------
