@@ -699,7 +699,10 @@ def test_the_launch_recipe_is_keyed_by_every_setting_it_reads(stub_gpu, monkeypa
     assert [f for f, _ in launches(4)] == ["exl3_input_bf16", "exl3_gemm_h16s_bf16"]
     monkeypatch.setenv("EXL3_VLLM_TIER", "")
     monkeypatch.setenv("EXL3_VLLM_LARGE_M", "2")
-    assert launches(4) == [("exl3_recon_bf16", (64, 1, 1)), ("mm", 1024)] * 3
-    monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * 1024 * 512))
-    assert [f for f, _ in launches(4)] == ["exl3_recon_bf16", "mm"] * 6
+    assert launches(4) == [("exl3_recon_bf16", (64, 1, 1))] * 3 + [("mm", 3072)]
+    monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * 1024 * 1280))  # chunks of 1280 columns cut the shards
+    # a reconstruction's grid is its piece's 128 x 128 units here: 1024, 256 | 768, 512 | 512 columns
+    recon = lambda cols: ("exl3_recon_bf16", (cols // 128 * 8, 1, 1))  # noqa: E731
+    assert launches(4) == [recon(1024), recon(256), ("mm", 1280), recon(768), recon(512), ("mm", 1280), recon(512),
+                           ("mm", 512)]
     assert read <= keyed, read - keyed

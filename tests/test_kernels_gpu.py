@@ -125,7 +125,7 @@ def test_tiers_forced(tier, monkeypatch):
             n = sum(sizes)
             trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
             w64 = _dense64(trellis, suh, svh, cb, sizes)
-            pl = kop.plan(bm, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=math.gcd(*sizes))
+            pl = kop.plan(bm, k, n, bits, sms, codebook=cb, arch=90, col_align=math.gcd(*sizes))
             assert k == 512 or tier == "dequant" or pl.splits > 1 or pl.stream
             assert (k, sizes) != stream_layer or pl.stream, (tier, pl)
             for m in sorted({1, 9, bm - 1, bm, bm + 1, 2 * bm + 3}):
@@ -156,7 +156,7 @@ def test_streamk_whole_waves(tier, monkeypatch):
         trellis, suh, svh, bias = _layer(k, n, bits, len(sizes), gen)
         w64 = _dense64(trellis, suh, svh, cb, sizes)
         for m in (bm, 2 * bm + 3):
-            pl = kop.plan(m, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=math.gcd(*sizes))
+            pl = kop.plan(m, k, n, bits, sms, codebook=cb, arch=90, col_align=math.gcd(*sizes))
             assert pl.stream and 0 < pl.dp < n // 128, pl
             for dt in DTYPES:
                 err, floor, nan = _run_vs_ref(m, dt, gen, trellis, suh, svh, bias, sizes, cb, w64)
@@ -393,7 +393,7 @@ def _check_deterministic_forced(monkeypatch, tier, m, seed, **plan_kw):
     n = sum(sizes)
     trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    p = kop.plan(m, k, n, 4, sms, max(sizes), codebook=cb, **plan_kw)
+    p = kop.plan(m, k, n, 4, sms, codebook=cb, **plan_kw)
     assert p.tier == tier and p.splits > 1 and not p.stream, p
     x = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
     ref = x.double() @ _dense64(trellis, suh, svh, cb, sizes) + bias.double()
@@ -443,7 +443,7 @@ def test_odd_k_takes_k8_twin(tier, monkeypatch):
     for k in (640, 1152, 4736):
         trellis, suh, svh, bias = _layer(k, n, 4, len(sizes), gen)
         w64 = _dense64(trellis, suh, svh, cb, sizes)
-        assert kop.plan(bm, k, n, 4, sms, max(sizes), codebook=cb, col_align=128, force=tier).tier == tier + "k8"
+        assert kop.plan(bm, k, n, 4, sms, codebook=cb, col_align=128, force=tier).tier == tier + "k8"
         for m in sorted({1, 3, bm}):
             for dt in DTYPES:
                 err, floor, nan = _run_vs_ref(m, dt, gen, trellis, suh, svh, bias, sizes, cb, w64)
@@ -501,7 +501,7 @@ def test_fused_input_equals_transform_kernel(tier, monkeypatch):
         for splits in (2, 4, 16):
             force = f"{tier}:s{splits}"
             for m in (1, 3, bm):
-                p = kop.plan(m, k, n, bits, sms, max(sizes), codebook=cb, arch=90, col_align=128, force=force)
+                p = kop.plan(m, k, n, bits, sms, codebook=cb, arch=90, col_align=128, force=force)
                 assert p.steps_per_split == 256 // splits and not p.stream, p
                 for dt in DTYPES:
                     x = torch.randn(m * k + 1, device=DEV, generator=gen).to(dt)

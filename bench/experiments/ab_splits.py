@@ -25,7 +25,7 @@ def old_splits(d, best, m, k, n_total, bits, codebook, sizes):
         tier = c.split(":")[0]
         if tier == "dequant":
             continue
-        base = kop.plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes),
+        base = kop.plan(m, k, n_total, bits, d.sms, d.smem_limit, codebook, d.arch, math.gcd(*sizes),
                         tier + ":fixed").splits
         top = max(1, (k // 16) // kop.TIERS[tier].ks)
         out += [f"{tier}:s{s}" for s in dict.fromkeys((max(1, base // 2), min(top, 2 * base))) if s != base]

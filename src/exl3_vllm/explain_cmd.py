@@ -54,7 +54,7 @@ def explain(ck: Checkpoint, ms: list[int], arch: int = 90, sms: int = 132, smem:
     for (k, n, bits, codebook, sizes), mods in sorted(kernel_calls(ck, tp).items()):
         rows = []
         for m in ms:
-            p = dispatch.plan(m, k, n, bits, sms, max(sizes), smem, codebook, arch, math.gcd(*sizes))
+            p = dispatch.plan(m, k, n, bits, sms, smem, codebook, arch, math.gcd(*sizes))
             rows.append({"m": m, "path": p.path, "tier": p.tier or "-", "splits": p.splits,
                          "stream_k": p.stream or "-", "passed_over": dispatch.passed_over(m, k, bits, codebook, arch, smem),
                          "timed_on_gpu": [str(c) for c in tune.candidates(dev, m, k, bits, codebook, math.gcd(*sizes))]

@@ -209,10 +209,10 @@ def mma_tier(m: int, bits: float, smem_limit: int):
     return next((t for t in fits if m <= t.bm), fits[-1] if fits else None)
 
 
-def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | None = None,
-         smem_limit: int = 227 * 1024, codebook: int = -1, arch: int = 0, col_align: int | None = None,
-         force: Choice | str | None = None) -> Plan:
-    """How one call runs: tier and split-k factor, or the dequant path with its chunk width.
+def plan(m: int, k: int, n_total: int, bits: float, sms: int, smem_limit: int = 227 * 1024, codebook: int = -1,
+         arch: int = 0, col_align: int | None = None, force: Choice | str | None = None) -> Plan:
+    """How one call runs: tier and split-k factor, or the dequant path with its chunk width (columns of the weight
+    reconstructed at a time, across shard boundaries: one GEMM per chunk).
 
     col_align: the gcd of the shard widths (a block's columns must lie in one shard); default n_total.
     force: the path to take (a Choice or its written form; default: EXL3_VLLM_TIER, else the static choice below).
@@ -225,7 +225,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
     fs = settings.get("EXL3_VLLM_SPLITS") if force is None or force.splits is None else str(force.splits)
     if (force is not None and force.tier == DEQUANT) or (force is None and m > large_m()):
         cols = max(128, (dequant_bytes() // (2 * k)) // 128 * 128)
-        return Plan("dequant", chunk=min(cols, max_shard or n_total))
+        return Plan("dequant", chunk=min(cols, n_total))
     if force is not None:
         tier = TIERS[force.tier]
         if tier.int8 and not (codebook == Codebook.MUL1 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
@@ -246,7 +246,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, max_shard: int | N
         tier = (wg_tier(m, bits, smem_limit, col_align) if arch == WG_ARCH else None) or mma_tier(m, bits, smem_limit)
     if tier is None:  # every tier that could run here is disabled: the dequant path runs any shape
         cols = max(128, (dequant_bytes() // (2 * k)) // 128 * 128)
-        return Plan("dequant", chunk=min(cols, max_shard or n_total))
+        return Plan("dequant", chunk=min(cols, n_total))
     tier = for_k(tier, k)
     mblocks = -(-m // tier.bm)
     ktiles = k // 16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -43,7 +44,7 @@ def plan_for(d: Device, m: int, k: int, n_total: int, bits: float, codebook: int
     if not force:
         tuned = tune.choice(d, m, k, n_total, bits, codebook, sizes)
         force = tuned if tuned is not None and switched_on(tuned, d.arch) else ""
-    return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
+    return plan(m, k, n_total, bits, d.sms, d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
 
 
 def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
@@ -132,7 +133,8 @@ class _Recipe:
     p: Plan
     lin: object
     io: object
-    chunks: list = field(default_factory=list)  # dequant path: (shard, first column, columns)
+    # dequant path: (first column, columns, [(shard, first column, columns) of each shard's piece of the chunk])
+    chunks: list = field(default_factory=list)
     input: str = ""  # "i8", "xh" (a separate transform), or "" (fused into the GEMM)
     staged: bool = False  # xh in the ws tiers' bulk-copy layout
     input_fn: object = None
@@ -157,15 +159,17 @@ _MAX_RECIPES = 4096  # distinct row counts x layer shapes; cleared when full (a 
 
 def _recipe(d, bf: bool, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: tuple, force) -> _Recipe:
     p = plan_for(d, m, k, n_total, bits, codebook, list(sizes)) if force is None else \
-        plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
+        plan(m, k, n_total, bits, d.sms, d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
     io = d.module(IO_SOURCE, None)
     lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
     r = _Recipe(p, lin, io)
     if p.path == "dequant":
-        col = 0
-        for s, width in enumerate(sizes):
-            r.chunks += [(s, c0, min(p.chunk, col + width - c0)) for c0 in range(col, col + width, p.chunk)]
-            col += width
+        ends = list(itertools.accumulate(sizes))
+        for c0 in range(0, n_total, p.chunk):
+            c1 = min(c0 + p.chunk, n_total)
+            pieces = [(s, max(c0, e - w), min(c1, e) - max(c0, e - w)) for s, (w, e) in enumerate(zip(sizes, ends))
+                      if e - w < c1 and e > c0]
+            r.chunks.append((c0, c1 - c0, pieces))
         return r
     tier = TIERS[p.tier]
     if not whole_stages(tier, k // 16, p.steps_per_split):
@@ -291,16 +295,17 @@ def launch_recon(d, lin, stream, trellis, suh_s, svh, wt, n_total, c0, cols, k):
 
 
 def _dequant_path(d, r: _Recipe, stream, x2, trellis, suh, svh, bias, y, k, n_total):
-    """Per column chunk: the dense weight in x's dtype (both Hadamards, suh and svh folded in), then y's columns =
-    x @ W (+ bias) by cuBLAS straight into y: no pass over x or y besides the GEMM's own. The bias is added in x's
-    dtype here (vLLM passes it in the model's dtype, so that is exact there)."""
+    """Per column chunk (shards side by side): the dense weight in x's dtype (both Hadamards, suh and svh folded
+    in), then y's columns = x @ W (+ bias) by cuBLAS straight into y: no pass over x or y besides the GEMM's own.
+    The bias is added in x's dtype here (vLLM passes it in the model's dtype, so that is exact there)."""
     wbuf = d.buf("wscratch", k * r.p.chunk, torch.float16).view(x2.dtype)
     suh2 = suh.view(-1, k)
     if bias is not None:
         bias = bias.to(x2.dtype)
-    for s, c0, cols in r.chunks:
+    for c0, cols, pieces in r.chunks:
         wt = wbuf[:cols * k].view(cols, k)
-        launch_recon(d, r.lin, stream, trellis, suh2[s], svh, wt, n_total, c0, cols, k)
+        for s, p0, pcols in pieces:  # each shard's columns with its own suh
+            launch_recon(d, r.lin, stream, trellis, suh2[s], svh, wt[p0 - c0:p0 - c0 + pcols], n_total, p0, pcols, k)
         if bias is None:
             torch.mm(x2, wt.t(), out=y[:, c0:c0 + cols])
         else:

@@ -161,7 +161,7 @@ def with_fixed(d, cands: list[Choice], m: int, k: int, n_total: int, bits: float
     out = []
     for c in cands:
         out.append(c)
-        if c.tier != DEQUANT and plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch,
+        if c.tier != DEQUANT and plan(m, k, n_total, bits, d.sms, d.smem_limit, codebook, d.arch,
                                       math.gcd(*sizes), c).stream:
             out.append(Choice(c.tier, fixed=True))
     return out
@@ -192,7 +192,7 @@ def with_splits(d, best: list[Choice], m: int, k: int, n_total: int, bits: float
         t = TIERS[tier]
 
         def runs(s: int) -> int:
-            return plan(m, k, n_total, bits, d.sms, max(sizes), d.smem_limit, codebook, d.arch, math.gcd(*sizes),
+            return plan(m, k, n_total, bits, d.sms, d.smem_limit, codebook, d.arch, math.gcd(*sizes),
                         Choice(tier, True, s or None)).splits
         base = runs(0)
         blocks = (n_total // t.cols) * -(-m // t.bm)
