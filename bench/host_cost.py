@@ -5,6 +5,7 @@ without a graph). Real launches (cuLaunchKernel, cuBLAS's host side) come on top
     .venv/bin/python bench/host_cost.py            # per-call microseconds, Llama-3-8B's four linears
     .venv/bin/python bench/host_cost.py 1024       # also cProfile of one call shape (o_proj at that M)
     python3 bench/host_cost.py --gpu [--out F.json]  # on a GPU: real launches; our op against bf16's F.linear
+    .venv/bin/python bench/host_cost.py --dispatch     # the torch op call alone: custom_op against library.define
 """
 
 import cProfile
@@ -114,7 +115,49 @@ def gpu(out: str | None) -> None:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
+def dispatch() -> None:
+    """What calling a torch op costs before its body runs, for an op of exl3::linear's signature whose body returns
+    a ready tensor: registered with torch.library.custom_op and with library.define."""
+    from typing import List, Optional
+
+    from exl3_vllm.kernels import library
+
+    ready = torch.empty(4, 256)
+
+    def body(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+             bias: Optional[torch.Tensor], shard_sizes: List[int], codebook: int) -> torch.Tensor:
+        return ready
+
+    def fake(x, trellis, suh, svh, bias, shard_sizes, codebook):
+        return torch.empty_like(ready)
+
+    wrapped = torch.library.custom_op("exl3::host_cost_custom_op", body, mutates_args=())
+    wrapped.register_fake(fake)
+    library.define("host_cost_library", body, fake)
+    a = (torch.randn(4, 256), torch.zeros(16, 16, 64, dtype=torch.int16), torch.ones(256).half(),
+         torch.ones(256).half(), None, [256], 2)
+    calls = {"custom_op, .default (a compiled graph's call)": torch.ops.exl3.host_cost_custom_op.default,
+             "custom_op, torch.ops.exl3.x (eager)": torch.ops.exl3.host_cost_custom_op,
+             "library.define, .default": torch.ops.exl3.host_cost_library.default,
+             "library.define, torch.ops.exl3.x": torch.ops.exl3.host_cost_library}
+    for name, f in calls.items():
+        us = min(time_us(lambda: f(*a)) for _ in range(3))
+        print(f"{name}: {us:.1f} µs a call")
+
+
+def time_us(fn, n=20000) -> float:
+    for _ in range(200):
+        fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
 if __name__ == "__main__":
+    if "--dispatch" in sys.argv:
+        dispatch()
+        sys.exit(0)
     if "--gpu" in sys.argv:
         gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
         sys.exit(0)

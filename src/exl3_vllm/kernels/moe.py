@@ -12,7 +12,7 @@ import torch
 
 from .. import settings
 from ..format.codebook import Codebook
-from . import nvrtc
+from . import library, nvrtc
 from .nvrtc import KernelError
 from .dispatch import DEQUANT, Choice, bits_of, deterministic, int8_ok, tier_on
 from .runtime import BUF_DTYPES, ZERO_BUFS, GemmArgs, device_for
@@ -306,8 +306,7 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     return out
 
 
-@torch.library.custom_op("exl3::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+def _moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w13_where: torch.Tensor,
                 w13_suh: torch.Tensor, w13_svh: torch.Tensor,
                 w2_trellis: List[torch.Tensor], w2_codebooks: List[int], w2_where: torch.Tensor,
@@ -317,6 +316,8 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
                     w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh, inter_valid, weights_on_input)
 
 
-@moe_experts.register_fake
 def _moe_experts_fake(x, *args):
     return torch.empty_like(x)
+
+
+moe_experts = library.define("moe_experts", _moe_experts, _moe_experts_fake)

@@ -12,7 +12,7 @@ import torch
 
 from .. import settings
 from ..format.codebook import Codebook
-from . import nvrtc, tune
+from . import library, nvrtc, tune
 # The decisions live in dispatch.py; the names are re-exported here for callers of this op (tests, bench).
 from .dispatch import (Choice, Plan, backend, bits_of, dequant_bytes, deterministic, fused_input, fused_input_work,  # noqa: F401
                        int8_ok, large_m, mma_tier, pdl_enabled, plan, switched_on, wg_enabled, wg_tier, ws_enabled,
@@ -323,22 +323,22 @@ def _reference(x, trellis, suh, svh, bias, shard_sizes, codebook):
                       shard_sizes=list(shard_sizes) if shard_sizes else None, out_dtype=x.dtype)
 
 
-@torch.library.custom_op("exl3::linear", mutates_args=())
-def linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-           bias: Optional[torch.Tensor], shard_sizes: List[int], codebook: int) -> torch.Tensor:
+def _linear_any(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                bias: Optional[torch.Tensor], shard_sizes: List[int], codebook: int) -> torch.Tensor:
     """y = x @ W (+ bias) for an EXL3 (possibly fused) layer; CPU and other devices use the reference."""
     return _reference(x, trellis, suh, svh, bias, shard_sizes, codebook)
 
 
-@linear.register_kernel("cuda")
 def _linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook):
     if backend() == "reference":
         return _reference(x, trellis, suh, svh, bias, shard_sizes, codebook)
     return linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook)
 
 
-@linear.register_fake
 def _linear_fake(x, trellis, suh, svh, bias, shard_sizes, codebook):
     n_total = trellis.shape[1] * 16
     torch._check(x.shape[-1] == trellis.shape[0] * 16, lambda: "x's last dimension must equal the layer's k")
     return x.new_empty((*x.shape[:-1], n_total))
+
+
+linear = library.define("linear", _linear_any, _linear_fake, cuda=_linear_cuda)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels import library
 from .op import exl3_linear
 
 
@@ -109,8 +110,7 @@ def exl3_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     return out.to(x.dtype)
 
 
-@torch.library.custom_op("exl3::moe", mutates_args=())
-def _moe_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+def _moe_any(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w13_where: List[int], w13_suh: torch.Tensor,
             w13_svh: torch.Tensor, w13_shard_sizes: List[int], w13_decoded: Optional[torch.Tensor],
             w2_trellis: List[torch.Tensor], w2_codebooks: List[int], w2_where: List[int], w2_suh: torch.Tensor,
@@ -124,6 +124,8 @@ def _moe_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     weights_on_input=weights_on_input, dense=False)
 
 
-@_moe_op.register_fake
 def _moe_op_fake(x, *args):
     return torch.empty_like(x)
+
+
+_moe_op = library.define("moe", _moe_any, _moe_op_fake)
