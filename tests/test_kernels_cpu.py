@@ -172,8 +172,11 @@ def test_fused_input_choice(monkeypatch):
 def test_large_m_path_workspace():
     """The large-M path reserves only its weight scratch (no activation buffers)."""
     p = kop.plan(4096, 8192, 28672, 4, 132)
-    assert p.path == "dequant" and p.chunk == settings.get('EXL3_VLLM_DEQUANT_BYTES') // (2 * 8192)
+    cols = settings.get('EXL3_VLLM_DEQUANT_BYTES') // (2 * 8192)  # 8192 columns fit the scratch: 4 chunks of 7168
+    assert p.path == "dequant" and p.chunk == 7168 <= cols
     assert kop._needs(p, 4096, 8192, 28672, 1) == {"wscratch": 8192 * p.chunk}
+    assert kop.plan(4096, 4096, 28672, 4, 132).chunk == 14336  # gate|up of 14336 each: cut at the shard boundary
+    assert kop.plan(4096, 4096, 6144, 4, 132).chunk == 6144  # q|k|v in one chunk
 
 
 def test_plan_int8_tier(monkeypatch):
@@ -700,9 +703,8 @@ def test_the_launch_recipe_is_keyed_by_every_setting_it_reads(stub_gpu, monkeypa
     monkeypatch.setenv("EXL3_VLLM_TIER", "")
     monkeypatch.setenv("EXL3_VLLM_LARGE_M", "2")
     assert launches(4) == [("exl3_recon_bf16", (64, 1, 1))] * 3 + [("mm", 3072)]
-    monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * 1024 * 1280))  # chunks of 1280 columns cut the shards
-    # a reconstruction's grid is its piece's 128 x 128 units here: 1024, 256 | 768, 512 | 512 columns
+    monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * 1024 * 1536))  # two chunks of 1536 columns cut shard 1
+    # a reconstruction's grid is its piece's 128 x 128 units here: 1024, 512 | 512, 1024 columns
     recon = lambda cols: ("exl3_recon_bf16", (cols // 128 * 8, 1, 1))  # noqa: E731
-    assert launches(4) == [recon(1024), recon(256), ("mm", 1280), recon(768), recon(512), ("mm", 1280), recon(512),
-                           ("mm", 512)]
+    assert launches(4) == [recon(1024), recon(512), ("mm", 1536), recon(512), recon(1024), ("mm", 1536)]
     assert read <= keyed, read - keyed

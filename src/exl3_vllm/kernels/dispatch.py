@@ -117,6 +117,14 @@ def dequant_bytes() -> int:
     return settings.get("EXL3_VLLM_DEQUANT_BYTES")
 
 
+def dequant_chunk(k: int, n_total: int) -> int:
+    """The large-M path's chunk width: as few chunks as the weight scratch allows, of equal width (a multiple of
+    128), so that a layer of two equal shards that does not fit in one chunk is cut at its shard boundary."""
+    cols = max(128, (dequant_bytes() // (2 * k)) // 128 * 128)
+    chunks = -(-n_total // cols)
+    return -(-n_total // (chunks * 128)) * 128
+
+
 def bits_of(trellis: torch.Tensor) -> float:
     w = trellis.shape[-1]
     if w % 16 == 0 and 1 <= w // 16 <= 8:
@@ -224,8 +232,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, smem_limit: int = 
     fixed = force is not None and force.fixed
     fs = settings.get("EXL3_VLLM_SPLITS") if force is None or force.splits is None else str(force.splits)
     if (force is not None and force.tier == DEQUANT) or (force is None and m > large_m()):
-        cols = max(128, (dequant_bytes() // (2 * k)) // 128 * 128)
-        return Plan("dequant", chunk=min(cols, n_total))
+        return Plan("dequant", chunk=dequant_chunk(k, n_total))
     if force is not None:
         tier = TIERS[force.tier]
         if tier.int8 and not (codebook == Codebook.MUL1 and m <= tier.bm and 4 * k + 1024 <= smem_limit):
@@ -245,8 +252,7 @@ def plan(m: int, k: int, n_total: int, bits: float, sms: int, smem_limit: int = 
     else:
         tier = (wg_tier(m, bits, smem_limit, col_align) if arch == WG_ARCH else None) or mma_tier(m, bits, smem_limit)
     if tier is None:  # every tier that could run here is disabled: the dequant path runs any shape
-        cols = max(128, (dequant_bytes() // (2 * k)) // 128 * 128)
-        return Plan("dequant", chunk=min(cols, n_total))
+        return Plan("dequant", chunk=dequant_chunk(k, n_total))
     tier = for_k(tier, k)
     mblocks = -(-m // tier.bm)
     ktiles = k // 16
