@@ -48,13 +48,9 @@ def args(m, k, sizes, bits=4):
             torch.ones(len(sizes) * k, dtype=torch.float16), torch.ones(n, dtype=torch.float16), None, sizes, 0)
 
 
-def per_call_us(a, n=2000) -> float:
-    for _ in range(50):
-        op.linear_cuda(*a)
-    t = time.perf_counter()
-    for _ in range(n):
-        op.linear_cuda(*a)
-    return (time.perf_counter() - t) / n * 1e6
+def per_call_us(a, n=1000, rounds=7) -> float:
+    """The fastest of several rounds: the CPU machine's speed drifts during a session."""
+    return min(time_us(lambda: op.linear_cuda(*a), n, warm=50) for _ in range(rounds))
 
 
 LAYERS = (("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]), ("gate_up", 4096, [14336, 14336]),
@@ -145,8 +141,8 @@ def dispatch() -> None:
         print(f"{name}: {us:.1f} µs a call")
 
 
-def time_us(fn, n=20000) -> float:
-    for _ in range(200):
+def time_us(fn, n=20000, warm=200) -> float:
+    for _ in range(warm):
         fn()
     t = time.perf_counter()
     for _ in range(n):
