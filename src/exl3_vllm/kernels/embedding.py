@@ -9,7 +9,7 @@ from . import library
 
 
 def _embedding(ids: torch.Tensor, trellis: torch.Tensor, signs: torch.Tensor, values_of: torch.Tensor,
-              hidden: int) -> torch.Tensor:
+               hidden: int) -> torch.Tensor:
     """fp16 [*ids.shape, hidden]: the decoded rows of the table for `ids` (opaque to torch.compile)."""
     flat = ids.reshape(-1)
     return emb.decode_rows(trellis.index_select(0, flat), signs, hidden, values_of).reshape(*ids.shape, hidden)

@@ -307,10 +307,10 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 
 
 def _moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w13_where: torch.Tensor,
-                w13_suh: torch.Tensor, w13_svh: torch.Tensor,
-                w2_trellis: List[torch.Tensor], w2_codebooks: List[int], w2_where: torch.Tensor,
-                w2_suh: torch.Tensor, w2_svh: torch.Tensor, inter_valid: int, weights_on_input: bool) -> torch.Tensor:
+                 w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w13_where: torch.Tensor,
+                 w13_suh: torch.Tensor, w13_svh: torch.Tensor,
+                 w2_trellis: List[torch.Tensor], w2_codebooks: List[int], w2_where: torch.Tensor,
+                 w2_suh: torch.Tensor, w2_svh: torch.Tensor, inter_valid: int, weights_on_input: bool) -> torch.Tensor:
     """moe_cuda as one opaque op, so torch.compile keeps the routed experts out of its graph."""
     return moe_cuda(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13_suh, w13_svh,
                     w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh, inter_valid, weights_on_input)

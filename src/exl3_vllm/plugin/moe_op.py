@@ -111,11 +111,11 @@ def exl3_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 
 
 def _moe_any(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w13_where: List[int], w13_suh: torch.Tensor,
-            w13_svh: torch.Tensor, w13_shard_sizes: List[int], w13_decoded: Optional[torch.Tensor],
-            w2_trellis: List[torch.Tensor], w2_codebooks: List[int], w2_where: List[int], w2_suh: torch.Tensor,
-            w2_svh: torch.Tensor, w2_shard_sizes: List[int], w2_decoded: Optional[torch.Tensor],
-            inter_valid: int, weights_on_input: bool) -> torch.Tensor:
+             w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w13_where: List[int], w13_suh: torch.Tensor,
+             w13_svh: torch.Tensor, w13_shard_sizes: List[int], w13_decoded: Optional[torch.Tensor],
+             w2_trellis: List[torch.Tensor], w2_codebooks: List[int], w2_where: List[int], w2_suh: torch.Tensor,
+             w2_svh: torch.Tensor, w2_shard_sizes: List[int], w2_decoded: Optional[torch.Tensor],
+             inter_valid: int, weights_on_input: bool) -> torch.Tensor:
     """exl3_moe run eagerly (routed rows only), for graphs that trace the MoE layer."""
     w13 = ExpertStack.from_args(w13_trellis, w13_codebooks, w13_where, w13_suh, w13_svh, w13_shard_sizes,
                                 w13_decoded)
