@@ -69,7 +69,7 @@ def main() -> int:
                 rows = [] if p.path != "gemm" or p.stream else [(f"tuned {p.tier}:s{p.splits}", p, None)]
                 for f, fm in forced:
                     if int(fm) == m:
-                        rows.append((f, kop.plan(m, k, n, 4, d.sms, n, d.smem_limit, cb, d.arch, n, f), "all"))
+                        rows.append((f, kop.plan(m, k, n, 4, d.sms, d.smem_limit, cb, d.arch, n, f), "all"))
                 for label, pp, mode in rows:
                     tier = kop.TIERS[pp.tier]
                     force = f"{pp.tier}:s{pp.splits}"

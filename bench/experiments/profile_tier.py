@@ -35,7 +35,7 @@ def main() -> None:
     for _ in range(args.calls):
         kop.linear_cuda(x, tr, suh, svh, None, [n], args.cb, out=y, force=args.tier)
     torch.cuda.synchronize()
-    print(kop.plan(args.m, k, n, args.bits, torch.cuda.get_device_properties(0).multi_processor_count, n,
+    print(kop.plan(args.m, k, n, args.bits, torch.cuda.get_device_properties(0).multi_processor_count,
                    codebook=args.cb, arch=90, force=args.tier))
 
 
