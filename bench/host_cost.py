@@ -27,19 +27,21 @@ class _Module:
         return name
 
 
-def stub() -> None:
-    """A stand-in H100 (132 SMs, sm_90) whose launches and GEMMs do nothing; the static dispatch."""
+def stub(patch=setattr, launch=lambda *a, **k: None, mm=lambda a, b, out=None: out) -> runtime.Device:
+    """A stand-in H100 (132 SMs, sm_90) whose kernel launches go to launch and cuBLAS GEMMs to mm (default:
+    nothing); the static dispatch. patch replaces the attributes (a test passes monkeypatch.setattr)."""
     d = runtime.Device.__new__(runtime.Device)
     d.index, d.device, d.arch, d.sms, d.smem_limit = 0, torch.device("cpu"), 90, 132, 227 * 1024
     d.bufs, d._old, d.lock = {}, [], threading.Lock()
     d.module = lambda src, defines: _Module()
-    op.device_for = lambda i: d
-    nvrtc.launch = lambda *a, **k: None
-    torch.cuda.current_stream = lambda dev=None: types.SimpleNamespace(cuda_stream=0)
-    torch.cuda.is_current_stream_capturing = lambda: False
-    tune.choice = lambda *a, **k: None
-    torch.mm = lambda a, b, out=None: out
-    torch.addmm = lambda c, a, b, out=None: out
+    patch(op, "device_for", lambda i: d)
+    patch(nvrtc, "launch", launch)
+    patch(torch.cuda, "current_stream", lambda dev=None: types.SimpleNamespace(cuda_stream=0))
+    patch(torch.cuda, "is_current_stream_capturing", lambda: False)
+    patch(tune, "choice", lambda *a, **k: None)
+    patch(torch, "mm", mm)
+    patch(torch, "addmm", lambda c, a, b, out=None: mm(a, b, out=out))
+    return d
 
 
 def args(m, k, sizes, bits=4):

@@ -648,27 +648,17 @@ def test_every_cuda_header_is_registered():
 
 @pytest.fixture
 def stub_gpu(monkeypatch):
-    """linear_cuda on CPU tensors with a stand-in H100 (132 SMs, sm_90): launches and cuBLAS calls are recorded as
+    """linear_cuda on CPU tensors with bench/host_cost.py's stand-in H100: launches and cuBLAS calls are recorded as
     (kernel name, grid) and ("mm", columns), nothing runs."""
-    import threading
-    from types import SimpleNamespace
+    import os
+    import sys
 
-    from exl3_vllm.kernels import nvrtc, runtime
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import host_cost
 
-    class Module:
-        def function(self, name, smem=0):
-            return name
-
-    d = runtime.Device.__new__(runtime.Device)
-    d.index, d.device, d.arch, d.sms, d.smem_limit = 0, torch.device("cpu"), 90, 132, 227 * 1024
-    d.bufs, d._old, d.lock = {}, [], threading.Lock()
-    d.module = lambda src, defines: Module()
     calls = []
-    monkeypatch.setattr(kop, "device_for", lambda i: d)
-    monkeypatch.setattr(nvrtc, "launch", lambda f, grid, *a, **k: calls.append((f, tuple(grid))))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: SimpleNamespace(cuda_stream=0))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch, "mm", lambda a, b, out=None: calls.append(("mm", b.shape[1])))
+    host_cost.stub(monkeypatch.setattr, launch=lambda f, grid, *a, **k: calls.append((f, tuple(grid))),
+                   mm=lambda a, b, out=None: calls.append(("mm", b.shape[1])))
     monkeypatch.setattr(kop, "_RECIPES", {})
     for name in settings.SETTINGS:
         monkeypatch.delenv(name, raising=False)
