@@ -12,6 +12,7 @@ from exl3_vllm.format.linear import linear as ref_linear
 from exl3_vllm.kernels import dispatch
 from exl3_vllm.kernels import op as kop  # noqa: F401  (registers torch.ops.exl3.linear)
 from exl3_vllm.kernels.nvrtc import parse_ptxas_log
+from exl3_vllm.kernels.tune import choice as _REAL_CHOICE  # the stand-in GPU replaces it
 from exl3_vllm.kernels.variants import TIERS, all_modules
 
 _HAVE_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
@@ -698,3 +699,33 @@ def test_the_launch_recipe_is_keyed_by_every_setting_it_reads(stub_gpu, monkeypa
     recon = lambda cols: ("exl3_recon_bf16", (cols // 128 * 8, 1, 1))  # noqa: E731
     assert launches(4) == [recon(1024), recon(512), ("mm", 1536), recon(512), recon(1024), ("mm", 1536)]
     assert read <= keyed, read - keyed
+
+
+def test_a_new_measured_choice_makes_the_next_call_decide_again(stub_gpu, monkeypatch):
+    """The recipe cache is keyed by the measured table's generation, not by each call's looked-up choice (3 µs a
+    call): a choice the measured dispatch adds changes what the next call launches; a table that gains nothing does
+    not make calls decide again."""
+    from exl3_vllm.kernels import tune
+
+    monkeypatch.setattr(tune, "choice", _REAL_CHOICE)
+    monkeypatch.setattr(tune, "merge_write", lambda *a: None)
+    sizes = [1024, 1024, 1024]
+    key = tune.layer_key(1024, 3072, 4, 2, sizes)
+    monkeypatch.setattr(tune, "_table", {})
+    monkeypatch.setattr(tune, "_disk", {0: {key: {str(b): "h16" for b in tune.BUCKETS if b <= 16}}})
+    trellis, suh, svh = _layer(1024, 3072, 4, shards=3)
+
+    def names(m):
+        stub_gpu.clear()
+        kop.linear_cuda(torch.randn(m, 1024).bfloat16(), trellis, suh.reshape(-1), svh, None, sizes, 2)
+        return [f for f, _ in stub_gpu]
+
+    assert names(4)[0].startswith("exl3_input_i8")  # the static plan: nothing measured yet
+    g = tune.generation()
+    tune.ensure(kop.device_for(0), 1024, 3072, 4, 2, sizes, 16)  # the known choices, read from the disk table
+    assert tune.generation() == g + 1
+    assert names(4) == ["exl3_input_bf16", "exl3_gemm_h16s_bf16"]
+    made = len(kop._RECIPES)
+    tune.ensure(kop.device_for(0), 1024, 3072, 4, 2, sizes, 16)
+    assert tune.generation() == g + 1 and names(4) == ["exl3_input_bf16", "exl3_gemm_h16s_bf16"]
+    assert len(kop._RECIPES) == made

@@ -224,8 +224,7 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     d = device_for(x.device.index)
     bf = x.dtype == torch.bfloat16
     sizes = tuple(sizes)
-    key = (d.index, bf, m, k, n_total, bits, codebook, sizes, force,
-           None if force is not None else tune.choice(d, m, k, n_total, bits, codebook, sizes), settings.call_key())
+    key = (d.index, bf, m, k, n_total, bits, codebook, sizes, force, tune.generation(), settings.call_key())
     r = _RECIPES.get(key)
     if r is None:
         r = _recipe(d, bf, m, k, n_total, bits, codebook, sizes, force)

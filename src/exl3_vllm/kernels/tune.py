@@ -42,6 +42,7 @@ TUNE_RULE = 3
 run_linear = None
 
 _table: dict[tuple, dict[int, str]] = {}
+_generation = 0  # counts changes to _table: a launch recipe decided from an older table is not reused
 _disk: dict[int, dict] = {}
 _lock = threading.Lock()
 
@@ -117,6 +118,10 @@ def _load(index: int) -> dict:
     if index not in _disk:
         _disk[index] = read_table(_path(index))
     return _disk[index]
+
+
+def generation() -> int:
+    return _generation
 
 
 def choice(d, m: int, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]) -> Optional[Choice]:
@@ -242,21 +247,30 @@ def ensure(d, k: int, n_total: int, bits: float, codebook: int, sizes: List[int]
         return
     key = layer_key(k, n_total, bits, codebook, sizes)
     want = [b for b in BUCKETS if b <= bucket(max(1, max_m))]
+    global _generation
     with _lock:
         table = _table.setdefault((d.index, key), {})
-        disk = _load(d.index).setdefault(key, {})
-        for b in want:
-            if b not in table and str(b) in disk:
-                try:
-                    table[b] = Choice.parse(disk[str(b)])
-                except KernelError:  # a hand-edited or foreign entry: timed again
-                    pass
-        todo = [b for b in want if b not in table]
-        if not todo:
-            return
-        _measure(d, k, n_total, bits, codebook, sizes, todo, table)
-        disk.update({str(b): str(v) for b, v in table.items()})
-        merge_write(_path(d.index), {key: disk})
+        known = len(table)
+        try:
+            _fill(d, k, n_total, bits, codebook, sizes, key, want, table)
+        finally:
+            _generation += len(table) != known
+
+
+def _fill(d, k, n_total, bits, codebook, sizes, key, want, table) -> None:
+    disk = _load(d.index).setdefault(key, {})
+    for b in want:
+        if b not in table and str(b) in disk:
+            try:
+                table[b] = Choice.parse(disk[str(b)])
+            except KernelError:  # a hand-edited or foreign entry: timed again
+                pass
+    todo = [b for b in want if b not in table]
+    if not todo:
+        return
+    _measure(d, k, n_total, bits, codebook, sizes, todo, table)
+    disk.update({str(b): str(v) for b, v in table.items()})
+    merge_write(_path(d.index), {key: disk})
 
 
 def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
