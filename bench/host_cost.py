@@ -19,7 +19,7 @@ import types
 
 import torch
 
-from exl3_vllm.kernels import nvrtc, op, runtime, tune
+from exl3_vllm.kernels import nvrtc, op, runtime
 
 
 class _Module:
@@ -29,7 +29,8 @@ class _Module:
 
 def stub(patch=setattr, launch=lambda *a, **k: None, mm=lambda a, b, out=None: out) -> runtime.Device:
     """A stand-in H100 (132 SMs, sm_90) whose kernel launches go to launch and cuBLAS GEMMs to mm (default:
-    nothing); the static dispatch. patch replaces the attributes (a test passes monkeypatch.setattr)."""
+    nothing); the measured dispatch is on with nothing measured, so the static plan runs after the same lookups a
+    tuned layer pays. patch replaces the attributes (a test passes monkeypatch.setattr)."""
     d = runtime.Device.__new__(runtime.Device)
     d.index, d.device, d.arch, d.sms, d.smem_limit = 0, torch.device("cpu"), 90, 132, 227 * 1024
     d.bufs, d._old, d.lock = {}, [], threading.Lock()
@@ -38,7 +39,6 @@ def stub(patch=setattr, launch=lambda *a, **k: None, mm=lambda a, b, out=None: o
     patch(nvrtc, "launch", launch)
     patch(torch.cuda, "current_stream", lambda dev=None: types.SimpleNamespace(cuda_stream=0))
     patch(torch.cuda, "is_current_stream_capturing", lambda: False)
-    patch(tune, "choice", lambda *a, **k: None)
     patch(torch, "mm", mm)
     patch(torch, "addmm", lambda c, a, b, out=None: mm(a, b, out=out))
     return d

@@ -12,7 +12,6 @@ from exl3_vllm.format.linear import linear as ref_linear
 from exl3_vllm.kernels import dispatch
 from exl3_vllm.kernels import op as kop  # noqa: F401  (registers torch.ops.exl3.linear)
 from exl3_vllm.kernels.nvrtc import parse_ptxas_log
-from exl3_vllm.kernels.tune import choice as _REAL_CHOICE  # the stand-in GPU replaces it
 from exl3_vllm.kernels.variants import TIERS, all_modules
 
 _HAVE_NVRTC = importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
@@ -707,7 +706,6 @@ def test_a_new_measured_choice_makes_the_next_call_decide_again(stub_gpu, monkey
     not make calls decide again."""
     from exl3_vllm.kernels import tune
 
-    monkeypatch.setattr(tune, "choice", _REAL_CHOICE)
     monkeypatch.setattr(tune, "merge_write", lambda *a: None)
     sizes = [1024, 1024, 1024]
     key = tune.layer_key(1024, 3072, 4, 2, sizes)
