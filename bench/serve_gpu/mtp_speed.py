@@ -107,7 +107,12 @@ class Server:
         if self.spec:
             cmd += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": self.spec,
                                                         **json.loads(a.spec_extra)})]
-        self.cmd = cmd + shlex.split(a.serve_args)
+        extra = shlex.split(a.serve_args)
+        if not any(x.startswith("--max-num-seqs") for x in extra):
+            # Qwen3.5 holds one linear-attention state block per sequence: vLLM's default 1,024 sequences do not fit
+            # beside a 27B model's bf16 weights on an 80 GB card (it refuses to start); both kinds get the same.
+            extra += ["--max-num-seqs", str(max(a.concs))]
+        self.cmd = cmd + extra
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return wait_until_up(self.proc, a.port, deadline)
@@ -174,7 +179,7 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(os.path.join(a.out, "raw"), exist_ok=True)
     deadline = a.deadline or time.time() + 3600
-    concs = [int(c) for c in a.concurrency.split(",")]
+    concs = a.concs = [int(c) for c in a.concurrency.split(",")]
     prompts = prompts_file(a.text, a.model[0], max(a.prompts or 0, 4 * max(concs), 8), a.prompt_tokens, a.out)
     rows_path = os.path.join(a.out, "mtp_rows.jsonl")
     for model in a.model:

@@ -300,7 +300,8 @@ def _dequant_path(d, r: _Recipe, stream, x2, trellis, suh, svh, bias, y, k, n_to
     wbuf = d.buf("wscratch", k * r.p.chunk, torch.float16).view(x2.dtype)
     suh2 = suh.view(-1, k)
     if bias is not None:
-        bias = bias.to(x2.dtype)
+        # Aligned, so that cuBLAS takes the same route whatever the caller's bias view (see the addmm below).
+        bias = _aligned(bias.to(x2.dtype))
     for c0, cols, pieces in r.chunks:
         wt = wbuf[:cols * k].view(cols, k)
         for s, p0, pcols in pieces:  # each shard's columns with its own suh
@@ -308,8 +309,8 @@ def _dequant_path(d, r: _Recipe, stream, x2, trellis, suh, svh, bias, y, k, n_to
         if bias is None:
             torch.mm(x2, wt.t(), out=y[:, c0:c0 + cols])
         else:
-            # Into y's column slice cuBLAS rounds x @ W and then the sum with the bias (two roundings); the
-            # single-rounding epilogue needs a fresh contiguous result, and copying that into y costs more.
+            # A chunk that is all of y gets cuBLASLt's bias epilogue (one rounding) where the bias is aligned; into a
+            # column slice of y cuBLAS rounds x @ W, then the sum (two): copying a fresh result into y costs more.
             torch.addmm(bias[c0:c0 + cols], x2, wt.t(), out=y[:, c0:c0 + cols])
 
 
