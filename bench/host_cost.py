@@ -61,7 +61,8 @@ LAYERS = (("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]), ("gate_up", 40
 def gpu(out: str | None) -> None:
     """Host time per call with real launches (no sync inside the timed loop; few enough calls that the launch queue
     never fills, so the host is what is timed): torch.ops.exl3.linear as vLLM's graph calls it, linear_cuda directly,
-    and F.linear on the dense bf16 weight (bf16's layer). Static dispatch (EXL3_VLLM_TUNE=0), mul1 codebook, 4 bits."""
+    and F.linear on the dense bf16 weight (bf16's layer). Static dispatch (EXL3_VLLM_TUNE=0), mul1 codebook, 4 bits;
+    under torch.inference_mode, as vLLM runs a forward."""
     os.environ.setdefault("EXL3_VLLM_TUNE", "0")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -157,7 +158,8 @@ if __name__ == "__main__":
         dispatch()
         sys.exit(0)
     if "--gpu" in sys.argv:
-        gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
+        with torch.inference_mode():  # as vLLM runs a forward: no autograd bookkeeping around any call
+            gpu(sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None)
         sys.exit(0)
     stub()
     print("| M | path | " + " | ".join(name for name, _, _ in LAYERS) + " | one layer | 32 layers |")

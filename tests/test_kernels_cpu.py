@@ -727,3 +727,17 @@ def test_a_new_measured_choice_makes_the_next_call_decide_again(stub_gpu, monkey
     tune.ensure(kop.device_for(0), 1024, 3072, 4, 2, sizes, 16)
     assert tune.generation() == g + 1 and names(4) == ["exl3_input_bf16", "exl3_gemm_h16s_bf16"]
     assert len(kop._RECIPES) == made
+
+
+@pytest.mark.skipif(not _HAVE_NVRTC, reason="cuda-bindings not installed (pip install cuda-bindings)")
+def test_a_dependent_launch_reuses_its_configuration():
+    """A programmatic dependent launch's cuLaunchKernelEx configuration is built once per launch shape and stream
+    (building it cost more than the rest of the launch's Python), with the shape and the serialization attribute."""
+    from exl3_vllm.kernels import nvrtc
+
+    cfg = nvrtc._pdl_config((132, 2, 1), (384, 1, 1), 200_000, 7)
+    assert nvrtc._pdl_config((132, 2, 1), (384, 1, 1), 200_000, 7) is cfg
+    assert nvrtc._pdl_config((132, 2, 1), (384, 1, 1), 200_000, 8) is not cfg
+    assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.sharedMemBytes) == (132, 2, 1, 384, 200_000)
+    assert int(cfg.hStream) == 7 and cfg.numAttrs == 1
+    assert cfg.attrs[0].value.programmaticStreamSerializationAllowed == 1
