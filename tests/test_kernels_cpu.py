@@ -741,3 +741,35 @@ def test_a_dependent_launch_reuses_its_configuration():
     assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.sharedMemBytes) == (132, 2, 1, 384, 200_000)
     assert int(cfg.hStream) == 7 and cfg.numAttrs == 1
     assert cfg.attrs[0].value.programmaticStreamSerializationAllowed == 1
+
+
+def test_large_m_reconstruction_addresses_match_the_views_they_stand_for(monkeypatch):
+    """The large-M path launches each shard's piece of a chunk on raw addresses (views cost host time every call):
+    each launch's suh and destination addresses are those of the suh row and the scratch slice they stand for."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import host_cost
+
+    recons = []
+    d = host_cost.stub(monkeypatch.setattr, launch=lambda f, grid, block, smem, stream, args, **kw:
+                       recons.append((grid, [a.value for a in args])) if f.startswith("exl3_recon") else None)
+    monkeypatch.setattr(kop, "_RECIPES", {})
+    monkeypatch.setenv("EXL3_VLLM_LARGE_M", "2")
+    monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(2 * 1024 * 1536))  # chunks of 1536 columns: shard 1 is cut
+    k, sizes = 1024, [1024, 1024, 1024]
+    trellis, suh, svh = _layer(k, 3072, 4, shards=3)
+    suh = suh.reshape(-1)
+    for dt in (torch.bfloat16, torch.float16):
+        recons.clear()
+        kop.linear_cuda(torch.randn(4, k).to(dt), trellis, suh, svh, None, sizes, 2)
+        w = d.bufs["wscratch"].view(dt)
+        want = [(0, 0, 1024), (1, 1024, 512), (1, 1536, 512), (2, 2048, 1024)]  # (shard, first column, columns)
+        assert len(recons) == len(want)
+        for (grid, a), (s, p0, pcols) in zip(recons, want):
+            c0 = p0 // 1536 * 1536
+            assert a[0] == trellis.data_ptr() and a[2] == svh.data_ptr()
+            assert a[1] == suh.view(-1, k)[s].data_ptr()
+            assert a[3] == w[:1536 * k].view(1536, k)[p0 - c0:p0 - c0 + pcols].data_ptr()
+            assert a[4:] == [3072, p0, pcols, k] and grid == kop.recon_grid(d, pcols, k)

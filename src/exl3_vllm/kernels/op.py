@@ -133,8 +133,10 @@ class _Recipe:
     p: Plan
     lin: object
     io: object
-    # dequant path: (first column, columns, [(shard, first column, columns) of each shard's piece of the chunk])
+    # dequant path: (first column, columns, [(shard, first column, columns, grid) of each shard's piece of the chunk])
     chunks: list = field(default_factory=list)
+    recon_fn: object = None
+    wts: tuple | None = None  # (the scratch buffer, each chunk's [k, cols] weight view for the GEMM); remade if it grew
     input: str = ""  # "i8", "xh" (a separate transform), or "" (fused into the GEMM)
     staged: bool = False  # xh in the ws tiers' bulk-copy layout
     input_fn: object = None
@@ -164,12 +166,13 @@ def _recipe(d, bf: bool, m: int, k: int, n_total: int, bits: float, codebook: in
     lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
     r = _Recipe(p, lin, io)
     if p.path == "dequant":
+        r.recon_fn = lin.function("exl3_recon_bf16" if bf else "exl3_recon_f16", RECON_SMEM)
         ends = list(itertools.accumulate(sizes))
         for c0 in range(0, n_total, p.chunk):
             c1 = min(c0 + p.chunk, n_total)
             pieces = [(s, max(c0, e - w), min(c1, e) - max(c0, e - w)) for s, (w, e) in enumerate(zip(sizes, ends))
                       if e - w < c1 and e > c0]
-            r.chunks.append((c0, c1 - c0, pieces))
+            r.chunks.append((c0, c1 - c0, [(s, p0, pcols, recon_grid(d, pcols, k)) for s, p0, pcols in pieces]))
         return r
     tier = TIERS[p.tier]
     if not whole_stages(tier, k // 16, p.steps_per_split):
@@ -281,37 +284,49 @@ def launch_input(d, io, stream, x2, suh, xh, m, k, S, staged=False):
                   ctypes.c_uint64(xh.data_ptr()), ctypes.c_int32(m), ctypes.c_int32(k), ctypes.c_int32(S)])
 
 
+def recon_grid(d, cols: int, k: int) -> tuple:
+    units = (cols // 128) * (k // 128)
+    # At least two units per block on small layers: a block loads its next unit while it finishes the current one.
+    return (min(units, d.sms * 8, max(d.sms * 2, units // 2)), 1, 1)
+
+
+def _recon(fn, grid, stream, trellis: int, suh_s: int, svh: int, wt: int, n_total, c0, cols, k):
+    """The reconstruction kernel on raw addresses (suh_s: the shard's suh row, wt: the [cols, k] destination)."""
+    nvrtc.launch(fn, grid, (256, 1, 1), RECON_SMEM, stream,
+                 [ctypes.c_uint64(trellis), ctypes.c_uint64(suh_s), ctypes.c_uint64(svh), ctypes.c_uint64(wt),
+                  ctypes.c_int32(n_total), ctypes.c_int32(c0), ctypes.c_int32(cols), ctypes.c_int32(k)])
+
+
 def launch_recon(d, lin, stream, trellis, suh_s, svh, wt, n_total, c0, cols, k):
     """wt[cols, k] = the dense weight W[:, c0:c0+cols] transposed, in wt's dtype (suh_s: the shard's suh)."""
-    units = (cols // 128) * (k // 128)
-    name = "exl3_recon_bf16" if wt.dtype == torch.bfloat16 else "exl3_recon_f16"
-    # At least two units per block on small layers: a block loads its next unit while it finishes the current one.
-    grid = min(units, d.sms * 8, max(d.sms * 2, units // 2))
-    nvrtc.launch(lin.function(name, RECON_SMEM), (grid, 1, 1), (256, 1, 1), RECON_SMEM, stream,
-                 [ctypes.c_uint64(trellis.data_ptr()), ctypes.c_uint64(suh_s.data_ptr()),
-                  ctypes.c_uint64(svh.data_ptr()), ctypes.c_uint64(wt.data_ptr()), ctypes.c_int32(n_total),
-                  ctypes.c_int32(c0), ctypes.c_int32(cols), ctypes.c_int32(k)])
+    fn = lin.function("exl3_recon_bf16" if wt.dtype == torch.bfloat16 else "exl3_recon_f16", RECON_SMEM)
+    _recon(fn, recon_grid(d, cols, k), stream, trellis.data_ptr(), suh_s.data_ptr(), svh.data_ptr(), wt.data_ptr(),
+           n_total, c0, cols, k)
 
 
 def _dequant_path(d, r: _Recipe, stream, x2, trellis, suh, svh, bias, y, k, n_total):
     """Per column chunk (shards side by side): the dense weight in x's dtype (both Hadamards, suh and svh folded
     in), then y's columns = x @ W (+ bias) by cuBLAS straight into y: no pass over x or y besides the GEMM's own.
     The bias is added in x's dtype here (vLLM passes it in the model's dtype, so that is exact there)."""
-    wbuf = d.buf("wscratch", k * r.p.chunk, torch.float16).view(x2.dtype)
-    suh2 = suh.view(-1, k)
+    wbuf = d.buf("wscratch", k * r.p.chunk, torch.float16)
+    if r.wts is None or r.wts[0] is not wbuf:  # each chunk's weight, as the GEMM reads it (views made once)
+        w = wbuf.view(x2.dtype)
+        r.wts = (wbuf, [w[:cols * k].view(cols, k).t() for _, cols, _ in r.chunks])
     if bias is not None:
         # Aligned, so that cuBLAS takes the same route whatever the caller's bias view (see the addmm below).
         bias = _aligned(bias.to(x2.dtype))
-    for c0, cols, pieces in r.chunks:
-        wt = wbuf[:cols * k].view(cols, k)
-        for s, p0, pcols in pieces:  # each shard's columns with its own suh
-            launch_recon(d, r.lin, stream, trellis, suh2[s], svh, wt[p0 - c0:p0 - c0 + pcols], n_total, p0, pcols, k)
+    tp, sp, vp, wp = trellis.data_ptr(), suh.data_ptr(), svh.data_ptr(), wbuf.data_ptr()
+    for (c0, cols, pieces), wt_t in zip(r.chunks, r.wts[1]):
+        for s, p0, pcols, grid in pieces:  # each shard's columns with its own suh (2-byte values: fp16 suh, wt)
+            _recon(r.recon_fn, grid, stream, tp, sp + 2 * s * k, vp, wp + 2 * (p0 - c0) * k, n_total, p0, pcols, k)
+        whole = cols == n_total
+        out = y if whole else y[:, c0:c0 + cols]
         if bias is None:
-            torch.mm(x2, wt.t(), out=y[:, c0:c0 + cols])
+            torch.mm(x2, wt_t, out=out)
         else:
             # A chunk that is all of y gets cuBLASLt's bias epilogue (one rounding) where the bias is aligned; into a
             # column slice of y cuBLAS rounds x @ W, then the sum (two): copying a fresh result into y costs more.
-            torch.addmm(bias[c0:c0 + cols], x2, wt.t(), out=y[:, c0:c0 + cols])
+            torch.addmm(bias if whole else bias[c0:c0 + cols], x2, wt_t, out=out)
 
 
 # ---------------------------------------------------------------------------------------------
