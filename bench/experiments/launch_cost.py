@@ -1,11 +1,12 @@
-"""Host cost of one kernel launch, four ways, on a GPU (issue 45: what our op's launches cost a step outside CUDA
+"""Host cost of one kernel launch, five ways, on a GPU (issue 45: what our op's launches cost a step outside CUDA
 graphs, 2026-12-07b). A one-block copy kernel, compiled with NVRTC:
   - cuda-python's cuLaunchKernel, as nvrtc.launch calls it;
   - cuda-python's cuLaunchKernelEx with a programmatic dependent launch, as nvrtc.launch calls it for a GEMM;
   - the driver's cuLaunchKernel called through ctypes (no cuda-python objects);
+  - the driver's cuLaunchKernelEx through ctypes, the same programmatic dependent launch (cuda.h's structs);
   - torch's own copy_ of the same bytes (an ATen launch, for scale).
-Each figure: host µs a launch, 200 launches with no sync inside, the fastest of 7 rounds; the ctypes launch's output
-is checked against its input.
+Each figure: host µs a launch, 200 launches with no sync inside, the fastest of 7 rounds; each ctypes launch's
+output is checked against its input.
     python3 bench/experiments/launch_cost.py [--out F.json]
 """
 
@@ -24,6 +25,22 @@ SRC = b"""extern "C" __global__ void launch_probe(const float* x, float* y, int 
     if (i < n) y[i] = x[i];
 }
 """
+
+
+class _AttrValue(ctypes.Union):  # CUlaunchAttributeValue: 64 bytes, pointer-aligned
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int),
+                ("align", ctypes.c_void_p)]
+
+
+class _Attr(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8 bytes, the value
+    _fields_ = [("id", ctypes.c_int), ("value", _AttrValue)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)),
+                ("numAttrs", ctypes.c_uint)]
 
 
 def host_us(fn, n=200, rounds=7) -> float:
@@ -61,14 +78,34 @@ def main() -> int:
         if err:
             raise RuntimeError(f"cuLaunchKernel through ctypes: error {err}")
 
-    direct()
-    torch.cuda.synchronize()
-    assert torch.equal(y, x), "the ctypes launch did not copy x"
+    from cuda.bindings import driver as drv
+
+    attr = _Attr()
+    attr.id = int(drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = _Config(1, 1, 1, n, 1, 1, 0, stream, ctypes.pointer(attr), 1)
+    assert ctypes.sizeof(_Attr) == 72 and ctypes.sizeof(_Config) == 56 and _Config.hStream.offset == 32
+    launch_ex = cuda.cuLaunchKernelEx
+    launch_ex.restype = ctypes.c_int
+    launch_ex.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    cfg_p = ctypes.pointer(cfg)
+
+    def direct_ex():
+        err = launch_ex(cfg_p, handle, ptrs, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx through ctypes: error {err}")
+
+    for fn in (direct, direct_ex):
+        y.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        assert torch.equal(y, x), f"{fn.__name__}: the launch did not copy x"
     ways = {
         "cuda-python cuLaunchKernel": lambda: nvrtc.launch(f, (1, 1, 1), (n, 1, 1), 0, stream, args),
         "cuda-python cuLaunchKernelEx (PDL)": lambda: nvrtc.launch(f, (1, 1, 1), (n, 1, 1), 0, stream, args,
                                                                  overlap_previous=True),
         "ctypes cuLaunchKernel": direct,
+        "ctypes cuLaunchKernelEx (PDL)": direct_ex,
         "torch copy_": lambda: y.copy_(x),
     }
     rows = {name: round(host_us(fn), 2) for name, fn in ways.items()}
