@@ -158,3 +158,27 @@ def test_mtp_report_ratios(tmp_path, capsys):
     assert float(got["bf16", "1"]["vs_undrafted"]) == 1.25 and float(got["exl3", "0"]["vs_bf16"]) == 1.5
     assert got["exl3", "1"]["acceptance_pct"] == "60.0" and got["exl3", "1"]["synthetic_rates"] == "[0.6]"
     assert got["bf16", "0"]["acceptance_pct"] == "" and "| exl3 | 1 | 1 |" in capsys.readouterr().out
+
+
+def test_mtp_servers_hold_as_many_sequences_as_the_largest_concurrency(tmp_path, monkeypatch):
+    """mtp_speed serves with --max-num-seqs at the largest concurrency unless --serve-args sets it: Qwen3.5 holds one
+    linear-attention state block per sequence, and vLLM's default 1,024 did not fit beside the 27B shape's bf16
+    weights on an 80 GB card (2026-12-07c); EXL3 and bf16 then serve the same batch limit."""
+    import types
+
+    import mtp_speed
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
+    cmds = []
+    monkeypatch.setattr(mtp_speed, "answers", lambda port: False)
+    monkeypatch.setattr(mtp_speed, "wait_until_up", lambda proc, port, until: True)
+    monkeypatch.setattr(mtp_speed.subprocess, "Popen", lambda cmd, **kw: cmds.append(cmd))
+    for serve_args, want in (("", ["--max-num-seqs", "64"]), ("--max-num-seqs 8", ["--max-num-seqs", "8"])):
+        a = types.SimpleNamespace(out=str(tmp_path), port=1, vllm_cli="vllm", max_model_len=2048, spec_extra="{}",
+                                  serve_args=serve_args, concs=[1, 4, 16, 64])
+        assert mtp_speed.Server(a, str(model), 1, "t").start(0)
+        cmd = cmds[-1]
+        i = cmd.index("--max-num-seqs")
+        assert cmd[i:i + 2] == want and cmd.count("--max-num-seqs") == 1 and "--load-format" in cmd
