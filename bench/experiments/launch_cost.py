@@ -1,7 +1,7 @@
 """Host cost of one kernel launch, five ways, on a GPU (issue 45: what our op's launches cost a step outside CUDA
 graphs, 2026-12-07b). A one-block copy kernel, compiled with NVRTC:
-  - cuda-python's cuLaunchKernel, as nvrtc.launch calls it;
-  - cuda-python's cuLaunchKernelEx with a programmatic dependent launch, as nvrtc.launch calls it for a GEMM;
+  - cuda-python's cuLaunchKernel;
+  - cuda-python's cuLaunchKernelEx with a programmatic dependent launch (configuration built once), as for a GEMM;
   - the driver's cuLaunchKernel called through ctypes (no cuda-python objects);
   - the driver's cuLaunchKernelEx through ctypes, the same programmatic dependent launch (cuda.h's structs);
   - torch's own copy_ of the same bytes (an ATen launch, for scale).
@@ -100,10 +100,28 @@ def main() -> int:
         fn()
         torch.cuda.synchronize()
         assert torch.equal(y, x), f"{fn.__name__}: the launch did not copy x"
+
+    def wrapped():  # through cuda-python's wrappers, arguments as nvrtc.launch builds them
+        p = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        err = drv.cuLaunchKernel(f, 1, 1, 1, n, 1, 1, 0, drv.CUstream(stream), ctypes.addressof(p), 0)[0]
+        assert int(err) == 0, err
+
+    wcfg = drv.CUlaunchConfig()
+    wcfg.gridDimX, wcfg.gridDimY, wcfg.gridDimZ, wcfg.blockDimX, wcfg.blockDimY, wcfg.blockDimZ = 1, 1, 1, n, 1, 1
+    wcfg.sharedMemBytes, wcfg.hStream = 0, drv.CUstream(stream)
+    wattr = drv.CUlaunchAttribute()
+    wattr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    wattr.value.programmaticStreamSerializationAllowed = 1
+    wcfg.attrs, wcfg.numAttrs = [wattr], 1
+
+    def wrapped_ex():  # the same, with the configuration built once
+        p = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        err = drv.cuLaunchKernelEx(wcfg, f, ctypes.addressof(p), 0)[0]
+        assert int(err) == 0, err
+
     ways = {
-        "cuda-python cuLaunchKernel": lambda: nvrtc.launch(f, (1, 1, 1), (n, 1, 1), 0, stream, args),
-        "cuda-python cuLaunchKernelEx (PDL)": lambda: nvrtc.launch(f, (1, 1, 1), (n, 1, 1), 0, stream, args,
-                                                                 overlap_previous=True),
+        "cuda-python cuLaunchKernel": wrapped,
+        "cuda-python cuLaunchKernelEx (PDL)": wrapped_ex,
         "ctypes cuLaunchKernel": direct,
         "ctypes cuLaunchKernelEx (PDL)": direct_ex,
         "torch copy_": lambda: y.copy_(x),
