@@ -201,3 +201,39 @@ def test_a_vision_attention_quantized_as_split_qkv_runs_as_the_towers_qkv(tmp_pa
     c.load_checkpoint(str(out))
     with pytest.raises(Exl3FormatError, match="--language-model-only, or convert with --vision_bits 16"):
         vision.split_qkv_specs(c, "visual.blocks.0.attn.qkv")
+
+
+def test_a_deepseek_style_draft_that_cannot_load_an_exl3_eh_proj_is_refused_with_what_to_do(tmp_path):
+    """A DeepSeek-style MTP layer (decoder layer num_hidden_layers + i) with an EXL3 eh_proj: vLLM drafts that give
+    eh_proj a quantization method ask for it first and load it; those that build a plain torch Linear never do, and
+    the first other module of that layer is refused, naming the tensor and what to do. Decoder layers are untouched."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file, save_file
+
+    from exl3_vllm.format.errors import Exl3FormatError
+    from exl3_vllm.plugin.config import Exl3Config
+
+    out = tmp_path / "m"
+    synthesize("tiny-llama", str(out), bits=4, seed=3)
+    n = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    src = "model.layers.0.mlp.down_proj"
+    tensors = {k: v for k, v in load_file(str(out / index["weight_map"][f"{src}.trellis"])).items()
+               if k.startswith(src + ".")}
+    extra = {f"model.layers.{n}.eh_proj" + k[len(src):]: v.clone() for k, v in tensors.items()}
+    save_file(extra, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in extra})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    def config():
+        c = Exl3Config({"quant_method": "exl3"})
+        c.load_checkpoint(str(out))
+        return c
+
+    c = config()
+    c.get_quant_method(torch.nn.Identity(), "model.layers.0.self_attn.o_proj")
+    with pytest.raises(Exl3FormatError, match=f"model.layers.{n}.eh_proj.*plain torch Linear.*--mtp_bits 16"):
+        c.get_quant_method(torch.nn.Identity(), f"model.layers.{n}.shared_head.head")
+    c = config()
+    c.get_quant_method(torch.nn.Identity(), f"model.layers.{n}.eh_proj")  # a draft whose eh_proj has a method
+    c.get_quant_method(torch.nn.Identity(), f"model.layers.{n}.shared_head.head")

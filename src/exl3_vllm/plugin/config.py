@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from . import compat, vision
 from .names import NameResolver, canonical
 
 logger = logging.getLogger("exl3_vllm")
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
 def _resolve_dir(model: str, revision: str | None) -> str:
@@ -78,6 +80,7 @@ class Exl3Config(QuantizationConfig):
         self.quant_config = dict(quant_config)
         self.checkpoint: Checkpoint | None = None
         self._resolver: tuple[tuple, NameResolver] | None = None
+        self._asked_eh_proj: set[str] = set()
 
     def __repr__(self) -> str:
         return f"Exl3Config(bits={self.quant_config.get('bits')}, path={getattr(self.checkpoint, 'path', None)})"
@@ -140,6 +143,8 @@ class Exl3Config(QuantizationConfig):
         if self.checkpoint is None:
             raise Exl3FormatError("the EXL3 config was used before its checkpoint was read",
                                   fix="load the model through vLLM (maybe_update_config reads the headers)")
+        if prefix:
+            self._check_nextn_draft(prefix)
         experts_cls = compat.routed_experts_class()
         if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
             specs = self.specs_for(prefix) if prefix else []
@@ -196,6 +201,30 @@ class Exl3Config(QuantizationConfig):
                 return Exl3MoEMethod(self, prefix, layer)
             return None
         return None
+
+    def _check_nextn_draft(self, prefix: str) -> None:
+        """A DeepSeek-style MTP layer (decoder layer num_hidden_layers + i) whose eh_proj the checkpoint stores as
+        EXL3: vLLM's drafts that build eh_proj with a quantization method ask for it before the layer's other modules;
+        the ones that build a plain torch Linear never do, and would stop at load on an unknown `trellis` tensor.
+        Asked for another module of such a layer first, refuse with what to do."""
+        m = _LAYER.search(prefix)
+        cfg = self.checkpoint.config
+        layers = (cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg).get("num_hidden_layers")
+        if m is None or type(layers) is not int or int(m.group(2)) < layers:
+            return
+        eh = prefix[:m.end()] + "eh_proj"
+        if prefix.startswith(eh):
+            self._asked_eh_proj.add(eh)
+            return
+        if eh in self._asked_eh_proj:
+            return
+        spec = next((s for _, s in self.specs_for(eh)), None)
+        if isinstance(spec, Exl3Spec):
+            raise Exl3FormatError(
+                f"MTP layer {m.group(2)}'s eh_proj is EXL3 in the checkpoint, and this vLLM draft builds eh_proj as a "
+                "plain torch Linear, which cannot load it", file=self.checkpoint.path, tensor=spec.key,
+                fix="serve without --speculative-config, or re-convert with exllamav3's --mtp_bits 16, which stores "
+                    "the MTP layers unquantized")
 
     @property
     def resolver(self) -> NameResolver:
