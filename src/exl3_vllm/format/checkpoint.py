@@ -416,12 +416,18 @@ class Checkpoint:
                     padded[axis] = d
         return Exl3Spec(key, k, n, bits, code, roles, legacy, padded)
 
-    def _unlisted(self, key: str) -> bool:
-        """A module the converter leaves out of tensor_storage (MTP, vision)."""
+    def nextn_layer(self, key: str) -> str | None:
+        """The prefix ("...layers.N.") of the DeepSeek-style MTP layer key lies in (numbered from num_hidden_layers
+        on), else None."""
         tc = self.config.get("text_config")
         layer, layers = _LAYER.search(key), (tc if isinstance(tc, dict) else self.config).get("num_hidden_layers")
-        return bool(_UNLISTED.search(key)) or (layer is not None and type(layers) is int
-                                                and int(layer.group(2)) >= layers)
+        if layer is None or type(layers) is not int or int(layer.group(2)) < layers:
+            return None
+        return key[:layer.end()]
+
+    def _unlisted(self, key: str) -> bool:
+        """A module the converter leaves out of tensor_storage (MTP, vision)."""
+        return bool(_UNLISTED.search(key)) or self.nextn_layer(key) is not None
 
     def _check_storage(self) -> None:
         path = os.path.join(self.path, "quantization_config.json")

@@ -131,7 +131,6 @@ class _Recipe:
     addresses. A call then only checks its tensors, takes its buffers and launches (steps outside CUDA graphs pay
     this host work on every layer)."""
     p: Plan
-    lin: object
     io: object
     # dequant path: (first column, columns, [(shard, first column, columns, grid) of each shard's piece of the chunk])
     chunks: list = field(default_factory=list)
@@ -164,7 +163,7 @@ def _recipe(d, bf: bool, m: int, k: int, n_total: int, bits: float, codebook: in
         plan(m, k, n_total, bits, d.sms, d.smem_limit, codebook, d.arch, math.gcd(*sizes), force)
     io = d.module(IO_SOURCE, None)
     lin = d.module(LINEAR_SOURCE, linear_defines(bits, codebook))
-    r = _Recipe(p, lin, io)
+    r = _Recipe(p, io)
     if p.path == "dequant":
         r.recon_fn = lin.function("exl3_recon_bf16" if bf else "exl3_recon_f16", RECON_SMEM)
         ends = list(itertools.accumulate(sizes))

@@ -6,7 +6,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 from typing import Any
 
 import torch
@@ -20,7 +19,6 @@ from . import compat, vision
 from .names import NameResolver, canonical
 
 logger = logging.getLogger("exl3_vllm")
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
 def _resolve_dir(model: str, revision: str | None) -> str:
@@ -207,12 +205,10 @@ class Exl3Config(QuantizationConfig):
         EXL3: vLLM's drafts that build eh_proj with a quantization method ask for it before the layer's other modules;
         the ones that build a plain torch Linear never do, and would stop at load on an unknown `trellis` tensor.
         Asked for another module of such a layer first, refuse with what to do."""
-        m = _LAYER.search(prefix)
-        cfg = self.checkpoint.config
-        layers = (cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg).get("num_hidden_layers")
-        if m is None or type(layers) is not int or int(m.group(2)) < layers:
+        layer = self.checkpoint.nextn_layer(prefix)
+        if layer is None:
             return
-        eh = prefix[:m.end()] + "eh_proj"
+        eh = layer + "eh_proj"
         if prefix.startswith(eh):
             self._asked_eh_proj.add(eh)
             return
@@ -221,8 +217,8 @@ class Exl3Config(QuantizationConfig):
         spec = next((s for _, s in self.specs_for(eh)), None)
         if isinstance(spec, Exl3Spec):
             raise Exl3FormatError(
-                f"MTP layer {m.group(2)}'s eh_proj is EXL3 in the checkpoint, and this vLLM draft builds eh_proj as a "
-                "plain torch Linear, which cannot load it", file=self.checkpoint.path, tensor=spec.key,
+                "this MTP layer's eh_proj is EXL3 in the checkpoint, and this vLLM draft builds eh_proj as a plain "
+                "torch Linear, which cannot load it", file=self.checkpoint.path, tensor=spec.key,
                 fix="serve without --speculative-config, or re-convert with exllamav3's --mtp_bits 16, which stores "
                     "the MTP layers unquantized")
 
