@@ -6,6 +6,7 @@ without a graph). Real launches (cuLaunchKernel, cuBLAS's host side) come on top
     .venv/bin/python bench/host_cost.py 1024       # also cProfile of one call shape (o_proj at that M)
     python3 bench/host_cost.py --gpu [--out F.json]  # on a GPU: real launches; our op against bf16's F.linear
     .venv/bin/python bench/host_cost.py --dispatch     # the torch op call alone: custom_op against library.define
+    .venv/bin/python bench/host_cost.py --csv OUT.csv TREE@COMMIT=F.json ...  # --gpu results as one CSV
 """
 
 import cProfile
@@ -57,6 +58,7 @@ def per_call_us(a, n=1000, rounds=7) -> float:
 
 LAYERS = (("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]), ("gate_up", 4096, [14336, 14336]),
           ("down", 14336, [4096]))
+
 
 def gpu(out: str | None) -> None:
     """Host time per call with real launches (no sync inside the timed loop; few enough calls that the launch queue
@@ -144,6 +146,25 @@ def dispatch() -> None:
         print(f"{name}: {us:.1f} µs a call")
 
 
+def to_csv(path: str, runs: list[str]) -> None:
+    """--gpu results (TREE@COMMIT=F.json, e.g. new@8f89347=host_cost_gpu_new.json) as one CSV row per tree, layer
+    and M."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = None
+        for run in runs:
+            name, _, src = run.partition("=")
+            tree, _, commit = name.partition("@")
+            data = json.load(open(src))
+            for r in data["rows"]:
+                row = {"tree": tree, "commit": commit, "device": data["device"], **r}
+                if w is None:
+                    w = csv.DictWriter(f, list(row))
+                    w.writeheader()
+                w.writerow(row)
+
+
 def time_us(fn, n=20000, warm=200) -> float:
     for _ in range(warm):
         fn()
@@ -154,6 +175,9 @@ def time_us(fn, n=20000, warm=200) -> float:
 
 
 if __name__ == "__main__":
+    if "--csv" in sys.argv:
+        to_csv(sys.argv[sys.argv.index("--csv") + 1], [a for a in sys.argv[1:] if "=" in a])
+        sys.exit(0)
     if "--dispatch" in sys.argv:
         dispatch()
         sys.exit(0)
