@@ -203,14 +203,18 @@ def test_a_vision_attention_quantized_as_split_qkv_runs_as_the_towers_qkv(tmp_pa
         vision.split_qkv_specs(c, "visual.blocks.0.attn.qkv")
 
 
-def test_a_deepseek_style_draft_that_cannot_load_an_exl3_eh_proj_is_refused_with_what_to_do(tmp_path):
+def test_a_deepseek_style_draft_that_cannot_load_an_exl3_eh_proj_is_refused_with_what_to_do(tmp_path, monkeypatch):
     """A DeepSeek-style MTP layer (decoder layer num_hidden_layers + i) with an EXL3 eh_proj: vLLM drafts that give
     eh_proj a quantization method ask for it first and load it; those that build a plain torch Linear never do, and
-    the first other module of that layer is refused, naming the tensor and what to do. Decoder layers are untouched."""
+    the first other module of that layer is refused, naming the tensor and what to do (`--load-format exl3`, under
+    which it is not refused). Decoder layers are untouched."""
     pytest.importorskip("vllm")
     from safetensors.torch import load_file, save_file
 
+    from exl3_vllm.format.checkpoint import Checkpoint
+    from exl3_vllm.format.linear import linear
     from exl3_vllm.format.errors import Exl3FormatError
+    from exl3_vllm.plugin import loader
     from exl3_vllm.plugin.config import Exl3Config
 
     out = tmp_path / "m"
@@ -232,8 +236,25 @@ def test_a_deepseek_style_draft_that_cannot_load_an_exl3_eh_proj_is_refused_with
 
     c = config()
     c.get_quant_method(torch.nn.Identity(), "model.layers.0.self_attn.o_proj")
-    with pytest.raises(Exl3FormatError, match=f"model.layers.{n}.eh_proj.*plain torch Linear.*--mtp_bits 16"):
+    with pytest.raises(Exl3FormatError, match=f"model.layers.{n}.eh_proj.*plain torch Linear.*--load-format exl3"):
         c.get_quant_method(torch.nn.Identity(), f"model.layers.{n}.shared_head.head")
     c = config()
     c.get_quant_method(torch.nn.Identity(), f"model.layers.{n}.eh_proj")  # a draft whose eh_proj has a method
     c.get_quant_method(torch.nn.Identity(), f"model.layers.{n}.shared_head.head")
+    monkeypatch.setattr(loader, "load_format_is_ours", lambda: True)  # --load-format exl3 hands it the dense weight
+    config().get_quant_method(torch.nn.Identity(), f"model.layers.{n}.shared_head.head")
+
+    # What that loader gives such a draft: the EXL3 module as torch's Linear holds it, weight [out, in] in the
+    # parameter's dtype and computing what the format reference computes; modules the model quantizes stay EXL3.
+    ckpt = Checkpoint(str(out))
+    eh = f"model.layers.{n}.eh_proj"
+    params = {f"{eh}.weight": torch.empty(256, 512, dtype=torch.float32),
+              "model.layers.0.mlp.down_proj.trellis": torch.empty(0)}
+    plain = loader.plain_linears(ckpt, params)
+    assert list(plain) == [eh]
+    dense = loader.dense_linear(ckpt, plain[eh], params[f"{eh}.weight"])
+    assert list(dense) == [f"{eh}.weight"] and dense[f"{eh}.weight"].shape == (256, 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    w = ckpt.weights(eh)
+    want = linear(x, w.trellis, w.suh, w.svh, w.codebook)
+    torch.testing.assert_close(x @ dense[f"{eh}.weight"].T, want.float(), rtol=1e-3, atol=1e-3)

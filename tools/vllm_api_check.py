@@ -34,8 +34,13 @@ IMPORTS = [
     ("FusedMoEMethodBase", "vllm.model_executor.layers.fused_moe.fused_moe_method_base", "FusedMoEMethodBase"),
     ("set_weight_attrs", "vllm.model_executor.utils", "set_weight_attrs"),
     ("get_current_vllm_config", "vllm.config", "get_current_vllm_config"),
+    ("get_current_vllm_config_or_none", "vllm.config", "get_current_vllm_config_or_none"),
+    ("register_model_loader", "vllm.model_executor.model_loader", "register_model_loader"),
+    ("DefaultModelLoader", "vllm.model_executor.model_loader.default_loader", "DefaultModelLoader"),
 ]
 METHODS = [
+    ("DefaultModelLoader.get_all_weights", "vllm.model_executor.model_loader.default_loader", "DefaultModelLoader",
+     "get_all_weights", ["model_config", "model"]),
     ("QuantizationConfig.get_quant_method", "vllm.model_executor.layers.quantization.base_config",
      "QuantizationConfig", "get_quant_method", ["layer", "prefix"]),
     ("QuantizationConfig.maybe_update_config", "vllm.model_executor.layers.quantization.base_config",

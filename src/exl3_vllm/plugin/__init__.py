@@ -26,7 +26,7 @@ def register() -> None:
 
     log = logging.getLogger("exl3_vllm")
     errors.on_raise = lambda msg: log.error("EXL3 checkpoint error: %s", msg)
-    from . import compat, config  # noqa: F401  (the import registers the config class)
+    from . import compat, config, loader  # noqa: F401  (the imports register the config class and --load-format exl3)
 
     if (note := compat.version_note()) is not None:
         log.warning(note)

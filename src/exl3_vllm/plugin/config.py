@@ -203,10 +203,13 @@ class Exl3Config(QuantizationConfig):
     def _check_nextn_draft(self, prefix: str) -> None:
         """A DeepSeek-style MTP layer (decoder layer num_hidden_layers + i) whose eh_proj the checkpoint stores as
         EXL3: vLLM's drafts that build eh_proj with a quantization method ask for it before the layer's other modules;
-        the ones that build a plain torch Linear never do, and would stop at load on an unknown `trellis` tensor.
-        Asked for another module of such a layer first, refuse with what to do."""
+        the ones that build a plain torch Linear never do, and would stop at load on an unknown `trellis` tensor
+        unless `--load-format exl3` (plugin/loader.py) hands them the dense weight. Asked for another module of such
+        a layer first without it, refuse with what to do."""
+        from .loader import load_format_is_ours
+
         layer = self.checkpoint.nextn_layer(prefix)
-        if layer is None:
+        if layer is None or load_format_is_ours():
             return
         eh = layer + "eh_proj"
         if prefix.startswith(eh):
@@ -218,9 +221,8 @@ class Exl3Config(QuantizationConfig):
         if isinstance(spec, Exl3Spec):
             raise Exl3FormatError(
                 "this MTP layer's eh_proj is EXL3 in the checkpoint, and this vLLM draft builds eh_proj as a plain "
-                "torch Linear, which cannot load it", file=self.checkpoint.path, tensor=spec.key,
-                fix="serve without --speculative-config, or re-convert with exllamav3's --mtp_bits 16, which stores "
-                    "the MTP layers unquantized")
+                "torch Linear, which cannot load it as EXL3", file=self.checkpoint.path, tensor=spec.key,
+                fix="add --load-format exl3 (loads this one module dense), or serve without --speculative-config")
 
     @property
     def resolver(self) -> NameResolver:

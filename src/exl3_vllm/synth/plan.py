@@ -29,11 +29,11 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3_5ForCausalLM": "qwen3_5",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
 }
 # Multimodal classes: the decoder's sizes in text_config, a vision tower in vision_config.
 MULTIMODAL = ("Qwen3_5ForConditionalGeneration",)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe_lite")
 # Where the decoder lives: exllamav3 writes Qwen3.5 under model.language_model even for the text-only model.
 ROOTS = {"qwen3_5": "model.language_model"}
 
@@ -293,6 +293,55 @@ def _qwen3_5_mtp(c: dict) -> list[tuple]:
     return out + [("dense", "mtp.norm", (hidden,), "norm")]
 
 
+def _mla_layer(c: dict, p: str, sparse: bool) -> list[tuple]:
+    """A GLM-4-MoE-Lite decoder layer as exllamav3 writes it: the latent attention's q_a/q_b/kv_a/o projections EXL3
+    (kv_a's 576 outputs padded to 640 like any linear), kv_b_proj fp16 (MLA reads it whole), then a dense MLP, or
+    routed experts with a shared one behind an fp16 router and its fp32 score-correction bias."""
+    hidden, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
+    kvl, rope = _int(c, "kv_lora_rank"), _int(c, "qk_rope_head_dim")
+    qk, v = _int(c, "qk_nope_head_dim") + rope, _int(c, "v_head_dim")
+    a = f"{p}.self_attn"
+    out = [("dense", f"{p}.input_layernorm", (hidden,), "norm")]
+    if c.get("q_lora_rank"):
+        ql = _int(c, "q_lora_rank")
+        out += [("lin", f"{a}.q_a_proj", hidden, ql, False, "attn"), ("dense", f"{a}.q_a_layernorm", (ql,), "norm"),
+                ("lin", f"{a}.q_b_proj", ql, heads * qk, False, "attn")]
+    else:
+        out.append(("lin", f"{a}.q_proj", hidden, heads * qk, False, "attn"))
+    out += [("lin", f"{a}.kv_a_proj_with_mqa", hidden, kvl + rope, False, "attn"),
+            ("dense", f"{a}.kv_a_layernorm", (kvl,), "norm"),
+            ("dense", f"{a}.kv_b_proj", (heads * (qk - rope + v), kvl), "normal"),
+            ("lin", f"{a}.o_proj", heads * v, hidden, False, "attn"),
+            ("dense", f"{p}.post_attention_layernorm", (hidden,), "norm")]
+    if not sparse:
+        inter = _int(c, "intermediate_size")
+        return out + [("lin", f"{p}.mlp.{n}", *((inter, hidden) if n == "down_proj" else (hidden, inter)), False,
+                       "mlp") for n in ("gate_proj", "up_proj", "down_proj")]
+    experts, inter = _int(c, "n_routed_experts"), _int(c, "moe_intermediate_size")
+    out += [("dense", f"{p}.mlp.gate", (experts, hidden), "router"),
+            ("raw", f"{p}.mlp.gate.e_score_correction_bias", (experts,), "F32")]
+    for q, width, role in [(f"{p}.mlp.experts.{e}", inter, "expert") for e in range(experts)] + \
+            [(f"{p}.mlp.shared_experts", inter * _int(c, "n_shared_experts", 1), "mlp")]:
+        out += [("lin", f"{q}.gate_proj", hidden, width, False, role),
+                ("lin", f"{q}.up_proj", hidden, width, False, role),
+                ("lin", f"{q}.down_proj", width, hidden, False, role)]
+    return out
+
+
+def _nextn_layers(c: dict) -> list[tuple]:
+    """DeepSeek-style MTP layers (num_nextn_predict_layers), numbered on from the decoder's: enorm and hnorm over
+    [embedding; hidden], eh_proj EXL3 (exllamav3's --mtp_bits, default 4), a full decoder layer, the shared head's
+    norm. The draft reuses the model's embedding and head, so the converter writes neither."""
+    hidden, layers = _int(c, "hidden_size"), _int(c, "num_hidden_layers")
+    out = []
+    for j in range(c.get("num_nextn_predict_layers") or 0):
+        p = f"model.layers.{layers + j}"
+        out += [("dense", f"{p}.enorm", (hidden,), "norm"), ("dense", f"{p}.hnorm", (hidden,), "norm"),
+                ("lin", f"{p}.eh_proj", 2 * hidden, hidden, False, "mtp")]
+        out += _mla_layer(c, p, sparse=True) + [("dense", f"{p}.shared_head.norm", (hidden,), "norm")]
+    return out
+
+
 def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
     """Decoder layer i in execution order: ("lin", key, in, out, bias, role), ("dense", key, shape, role) or
     ("raw", name, shape, dtype)."""
@@ -303,6 +352,8 @@ def _layer_modules(arch: str, c: dict, i: int) -> list[tuple]:
     if type(hd) is not int or hd <= 0:
         raise Exl3FormatError(f"config field 'head_dim' must be a positive integer, got {hd!r}")
     p = f"{ROOTS.get(arch, 'model')}.layers.{i}"
+    if arch == "glm4_moe_lite":
+        return _mla_layer(c, p, sparse=i >= c.get("first_k_dense_replace", 1))
     attn_bias = arch in ("qwen2", "qwen2_moe") or (arch != "mixtral" and bool(c.get("attention_bias", False)))
     o_bias = attn_bias and arch not in ("qwen2", "qwen2_moe")
     if arch == "qwen3_5":
@@ -500,11 +551,11 @@ def plan(config_or_preset, bits=4.0, codebook: str = "mul1", head_bits=6, bits_m
                     continue
                 modules.append(_exl3_module(key, k_in, n_out, bias, role, *choose(key)))
     modules.append(_dense_module(f"{root}.norm", (hidden,), "norm"))
-    if arch == "qwen3_5":
-        for item in _qwen3_5_mtp(config):
-            m = _dense_module(*item[1:]) if item[0] == "dense" else _exl3_module(*item[1:], *choose(item[1]))
-            m.listed = False
-            modules.append(m)
+    for item in _qwen3_5_mtp(config) if arch == "qwen3_5" else _nextn_layers(config):
+        kind = {"dense": _dense_module, "raw": _raw_tensor}.get(item[0])
+        m = kind(*item[1:]) if kind else _exl3_module(*item[1:], *choose(item[1]))
+        m.listed = False
+        modules.append(m)
     if nested:
         if not isinstance(full.get("vision_config"), dict):
             raise Exl3FormatError("a multimodal config needs a vision_config object",

@@ -71,6 +71,17 @@ PRESETS: dict[str, dict] = {
         router_aux_loss_coef=0.001, qkv_bias=True, max_window_layers=2, rope_scaling=None, sliding_window=None,
         use_sliding_window=False,
     ),
+    # GLM-4.7-Flash's layout (Glm4MoeLiteForCausalLM): multi-head latent attention, a dense first layer, routed experts
+    # with a shared one and sigmoid scores, one DeepSeek-style MTP layer. kv_lora_rank + qk_rope_head_dim stays 576,
+    # the one latent width vLLM's CPU MLA backends run.
+    "tiny-glm4-moe-lite": _tiny(
+        architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", intermediate_size=512,
+        moe_intermediate_size=128, num_hidden_layers=3, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        num_experts_per_tok=2, routed_scaling_factor=1.8, n_group=1, topk_group=1, norm_topk_prob=True,
+        topk_method="noaux_tc", scoring_func="sigmoid", first_k_dense_replace=1, q_lora_rank=256, kv_lora_rank=512,
+        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, rope_interleave=True, num_nextn_predict_layers=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     "tiny-mixtral": _tiny(
         architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=128,
         num_local_experts=8, num_experts_per_tok=2, output_router_logits=False,
@@ -210,6 +221,8 @@ def _multimodal_qwen3_5(text: dict) -> dict:
             "tie_word_embeddings": False}
 
 
+# HF maps head_dim onto qk_rope_head_dim for this class: the common tiny head_dim must not be there.
+del PRESETS["tiny-glm4-moe-lite"]["head_dim"]
 PRESETS["tiny-qwen3.5-vl"] = _multimodal_qwen3_5(PRESETS["tiny-qwen3.5"])
 # Qwen/Qwen3.5-27B's decoder and MTP layer (its public config); the vision tower is the one-block stand-in above, for
 # serving benchmarks that run with --language-model-only.
