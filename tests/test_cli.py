@@ -161,6 +161,23 @@ def test_config_bits_speak_of_the_decoder_mtp_and_vision_are_reported_apart(tmp_
     assert "vision tower" not in text and "warning" not in text  # stored unquantized, as --vision_bits 16 does
 
 
+def test_a_deepseek_style_mtp_layer_is_reported_apart_from_the_decoder(tmp_path, capsys):
+    """GLM-4-MoE-Lite in exllamav3's layout: its MTP layer is decoder layer num_hidden_layers, outside tensor_storage,
+    at mtp_bits; the latent attention's kv_a is stored padded to 640 columns and kv_b_proj unquantized."""
+    rules = tmp_path / "bits.json"
+    rules.write_text(json.dumps({"model.layers.3.*": 6}))
+    out = tmp_path / "m"
+    synthesize("tiny-glm4-moe-lite", str(out), bits=3, bits_map=str(rules), seed=3)
+    ck = Checkpoint(str(out))
+    assert ck.quantization_config["bits"] == 3 and ck.quantization_config["mtp_bits"] == 6
+    assert ck.average_bpw() == 3 and not ck.warnings
+    assert ck.nextn_layer("model.layers.3.eh_proj") == "model.layers.3." and ck.nextn_layer("model.layers.2.mlp") is None
+    assert ck.modules["model.layers.0.self_attn.kv_a_proj_with_mqa"].n == 640
+    assert ck.modules["model.layers.0.self_attn.kv_b_proj"].shape == (512, 512)
+    assert cli.main(["inspect", str(out)]) == 0
+    assert "MTP layers: 32 EXL3 modules, 6.00 bpw (config: 6)" in capsys.readouterr().out
+
+
 def test_a_vision_attention_quantized_as_split_qkv_runs_as_the_towers_qkv(tmp_path, monkeypatch):
     """exllamav3 --vision_bits stores a Qwen-VL tower's fused attn.qkv as EXL3 q_proj/k_proj/v_proj beside the source
     qkv; vLLM's tower has one qkv layer, which takes the three as its shards (tests/test_vllm_qwen35.py serves a real

@@ -31,8 +31,10 @@ def summary(ckpt: Checkpoint) -> dict:
     embeds = [m for m in ckpt.modules.values() if isinstance(m, EmbeddingSpec)]
     # Modules config's bits does not cover, with the bits the config states for them.
     apart = {}
-    for name, key, pattern in (("MTP layers", "mtp_bits", "mtp"), ("vision tower", "vision_bits", "visual")):
-        mods = [m for m in exl3 if pattern in m.key.split(".")]
+    # MTP layers: Qwen3.5's mtp.*, or DeepSeek-style decoder layers numbered from num_hidden_layers on.
+    for name, key, part_of in (("MTP layers", "mtp_bits", lambda k: "mtp" in k.split(".") or ckpt.nextn_layer(k)),
+                               ("vision tower", "vision_bits", lambda k: "visual" in k.split("."))):
+        mods = [m for m in exl3 if part_of(m.key)]
         if mods or key in ckpt.quantization_config:
             w = sum(m.k * m.n for m in mods)
             apart[name] = {"config": ckpt.quantization_config.get(key), "modules": len(mods),

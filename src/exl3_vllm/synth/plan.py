@@ -141,8 +141,8 @@ class Plan:
             "calibration": dict(CALIBRATION),
             "out_scales": "always",
             "codebook": self.codebook,
-            **({"mtp_bits": mtp[0].bits} if (mtp := [m for m in self.exl3_modules() if m.key.startswith("mtp.")])
-               else {}),
+            # The only EXL3 modules outside tensor_storage are MTP layers' (synth stores vision towers unquantized).
+            **({"mtp_bits": mtp[0].bits} if (mtp := [m for m in self.exl3_modules() if not m.listed]) else {}),
         }
 
     def tensor_storage(self) -> dict:
