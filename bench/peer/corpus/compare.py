@@ -174,7 +174,7 @@ def main() -> None:
                 model = Model.from_config(Config.from_directory(os.path.join(a.corpus, name)))
                 model.load(device="cuda:0")
             g = greedy_check(model, got["greedy"], vocab, TIE[run["dtype"]])
-            if cfg.get("num_experts") or cfg.get("num_local_experts"):
+            if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
                 if gaps is None:
                     gaps = gaps_of(os.path.join(a.corpus, name), torch.load(os.path.join(a.ref, "tokens.pt")))
                 g.update(routing_note(gaps, worst))

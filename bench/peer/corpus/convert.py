@@ -76,6 +76,11 @@ JOBS = {
     # unquantized, then the converter's defaults for both (mtp_bits 4, the architecture's vision bits).
     "qwen3.5-mtp-b4": ("qwen3.5-mtp", ["-b", "4", "-mb", "4", "-vb", "16"], "mtp"),
     "qwen3.5-mtp-b3.5": ("qwen3.5-mtp", ["-b", "3.5"], "mtp"),
+    # GLM-4-MoE-Lite (GLM-4.7-Flash's class) with its trained DeepSeek-style MTP layer: the converter's defaults (the
+    # draft at 4 bits, its eh_proj too: vLLM serves it with `--load-format exl3`), then the draft unquantized (served
+    # without it; kv_a's padded fp16 shard in the draft's fused q_a/kv_a).
+    "glm4-moe-lite-mtp-b4": ("glm4-moe-lite-mtp", ["-b", "4"], "mtp"),
+    "glm4-moe-lite-mtp-b3.5-mb16": ("glm4-moe-lite-mtp", ["-b", "3.5", "-mb", "16"], "mtp"),
 }
 EXL = [sys.executable, "-m"]
 

@@ -52,11 +52,14 @@ def heldout_windows(text_dir: str, tokenizer_dir: str, n: int = 8, width: int = 
 
 def engine_args(ckpt: str, dtypes: list[str]) -> tuple[list[str], dict]:
     """The dtypes and LLM arguments a checkpoint serves with here. Multimodal: served as text; gated-delta-net layers:
-    vLLM's CPU kernel runs bf16 only, prefix caching off."""
+    vLLM's CPU kernel runs bf16 only, prefix caching off; multi-head latent attention (GLM-4-MoE-Lite): vLLM's
+    reference MLA backend, which runs every dtype (the AMX one it picks where it can runs bf16 only)."""
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     extra = kit_llm_args(cfg)
     if "linear_attention" in ((cfg.get("text_config") or cfg).get("layer_types") or []):
         return ["bfloat16"], {**extra, "enable_prefix_caching": False}
+    if cfg.get("kv_lora_rank"):
+        return dtypes, {**extra, "attention_backend": "CPU_MLA"}
     return dtypes, extra
 
 

@@ -8,7 +8,8 @@ training text, its last 10% is held out (heldout.txt, for the fidelity gate); th
 sources (tests left out, about 12 MB) are training text too, so 1,500 steps pass over the data about 8 times, not 24.
 Models train concurrently, one process each, on one GPU. Every model: 4 layers, head_dim 64, vocab 2048, hidden 256
 (Qwen3: 384, so a quantized embedding's last 256-wide group is half padding); all widths multiples of 128. The
-two-layer "-2l" models make the CI fixtures small (tests/data/corpus, at most 4 MB together).
+two-layer "-2l" models make the CI fixtures small (tests/data/corpus, at most 4 MB together). The two MTP models
+(Qwen3.5's and GLM-4-MoE-Lite's DeepSeek-style layer) train their draft layer beside the model.
 """
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ QWEN35_PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216
                        "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                        "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessorFast",
                        "processor_class": "Qwen3VLProcessor"}
-# Seconds of training for models whose steps are slow (transformers' reference gated-delta-net code on the device).
-TRAIN_SECONDS = {"qwen3.5-mtp": 240}
+# Seconds of training for models whose steps are slow (transformers' reference gated-delta-net code on the device), or
+# may be (GLM-4-MoE-Lite: latent attention and experts, in the model and again in its MTP layer; not yet timed there).
+TRAIN_SECONDS = {"qwen3.5-mtp": 240, "glm4-moe-lite-mtp": 240}
 # The vision placeholders, specials after <pad>, <s>, </s> (ids 3-6): Qwen-VL's names, never produced by text.
 VISION_SPECIALS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
                    "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
@@ -66,6 +68,17 @@ QWEN35_TOKENS = {k: 3 + i for i, k in enumerate(VISION_SPECIALS)}
 MODELS["qwen3.5-mtp"] = ("Qwen3_5ForConditionalGeneration", {"model_type": "qwen3_5"})
 MODELS["llama-2l"] = (MODELS["llama"][0], {**MODELS["llama"][1], "num_hidden_layers": 2})
 MODELS["qwen3-moe-2l"] = (MODELS["qwen3-moe"][0], {**MODELS["qwen3-moe"][1], "num_hidden_layers": 2})
+# GLM-4.7-Flash's class: multi-head latent attention, a dense first layer, then routed experts with sigmoid scores and
+# DeepSeek-V3's balancing bias (score_bias_balancer) beside a shared expert, and one DeepSeek-style MTP layer trained
+# with the model (nextn_layer). kv_lora_rank + qk_rope_head_dim stays 576: vLLM's MLA kernels need it. As many
+# key/value heads as heads: the latent attention expands its keys to every head (transformers would repeat them again).
+MODELS["glm4-moe-lite-mtp"] = ("Glm4MoeLiteForCausalLM", {
+    "model_type": "glm4_moe_lite", "num_key_value_heads": 4, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "routed_scaling_factor": 1.8,
+    "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "first_k_dense_replace": 1, "q_lora_rank": 256, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64, "v_head_dim": 64, "rope_interleave": True, "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False, "attention_bias": False})
 SEQ = 512
 
 
@@ -157,6 +170,95 @@ def mtp_layer(model):
     return Mtp()
 
 
+def nextn_layer(model):
+    """GLM-4-MoE-Lite's DeepSeek-style MTP layer as vLLM runs it (glm4_moe_lite_mtp): at position t,
+    eh_proj([enorm(embed(token t+1)); hnorm(h_t)]) with h_t the main model's final (normed) hidden state and the
+    embedding zeroed at position 0, one decoder layer (latent attention, routed and shared experts), shared_head.norm,
+    the shared lm_head; it predicts token t+2. Its tensors are saved as model.layers.{num_hidden_layers}.* (enorm,
+    hnorm, eh_proj, the decoder layer's names with one tensor per expert, shared_head.norm), as GLM-4.7-Flash stores
+    them and exllamav3 and vLLM read them; no embed_tokens or shared_head.head (both borrow the model's)."""
+    import copy
+
+    import torch
+    from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite as g
+
+    class Mtp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            c = copy.deepcopy(model.config)
+            self.n = c.num_hidden_layers
+            c.mlp_layer_types = list(c.mlp_layer_types) + ["sparse"]
+            h = c.hidden_size
+            self.enorm = g.Glm4MoeLiteRMSNorm(h, eps=c.rms_norm_eps)
+            self.hnorm = g.Glm4MoeLiteRMSNorm(h, eps=c.rms_norm_eps)
+            self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+            self.block = g.Glm4MoeLiteDecoderLayer(c, self.n)
+            self.shared_head = torch.nn.ModuleDict({"norm": g.Glm4MoeLiteRMSNorm(h, eps=c.rms_norm_eps)})
+            for m in self.modules():  # the model's own initialisation (its fused experts start as torch.empty)
+                model._init_weights(m)
+            self.model = [model]  # not a submodule: its parameters are the main model's
+
+        def losses(self, batch):
+            m = self.model[0]
+            hid = m.model(input_ids=batch).last_hidden_state
+            logits = m.lm_head(hid).float()
+            ce = torch.nn.functional.cross_entropy
+            main = ce(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            emb = m.model.embed_tokens(batch[:, 1:])
+            emb = torch.cat([torch.zeros_like(emb[:, :1]), emb[:, 1:]], 1)  # vLLM masks position 0's embedding
+            x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hid[:, :-1])], -1))
+            pos = torch.arange(x.shape[1], device=x.device)[None]
+            x = self.block(x, position_embeddings=m.model.rotary_emb(x, pos), attention_mask=None)
+            draft = m.lm_head(self.shared_head["norm"](x)).float()
+            return main, ce(draft[:, :-1].reshape(-1, draft.shape[-1]), batch[:, 2:].reshape(-1))
+
+        def save(self, d):
+            from safetensors.torch import load_file, save_file
+            path = os.path.join(d, "model.safetensors")
+            tensors = load_file(path)
+            for k, v in self.state_dict().items():
+                k = f"model.layers.{self.n}." + k.removeprefix("block.")
+                if ".mlp.experts." in k:  # transformers' fused experts [E, 2I or H, ...]: one tensor per expert
+                    stem, fused = k.rsplit(".", 1)
+                    for e, w in enumerate(v):
+                        parts = zip(("gate_proj", "up_proj"), w.chunk(2)) if fused == "gate_up_proj" else [(fused, w)]
+                        tensors.update({f"{stem}.{e}.{p}.weight": t.to(torch.bfloat16).contiguous() for p, t in parts})
+                else:  # the routers' score bias stays fp32, as GLM-4.7-Flash stores it
+                    tensors[k] = (v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)).contiguous()
+            save_file(tensors, path, metadata={"format": "pt"})
+
+    return Mtp()
+
+
+BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed
+
+
+def score_bias_balancer(modules):
+    """DeepSeek-V3's auxiliary-loss-free expert balancing (GLM-4.7-Flash's routing, noaux_tc): after each step every
+    router's e_score_correction_bias moves by BIAS_RATE toward its less loaded experts. The routing reads the bias, the
+    gradient never does; trained so, the saved bias is not zero and the converters' use of it is exercised."""
+    import torch
+
+    counts = {}
+
+    def count(router, _, out):
+        load = torch.bincount(out[2].flatten(), minlength=router.e_score_correction_bias.numel())
+        counts[router] = counts.get(router, 0) + load
+
+    for m in modules:
+        for r in m.modules():
+            if hasattr(r, "e_score_correction_bias"):
+                r.register_forward_hook(count)
+
+    def update():
+        with torch.no_grad():
+            for r, load in counts.items():
+                r.e_score_correction_bias += BIAS_RATE * torch.sign(load.float().mean() - load.float())
+        counts.clear()
+
+    return update
+
+
 def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: int) -> None:
     import torch
     import transformers
@@ -165,7 +267,7 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
     torch.manual_seed(seed)
     DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: dry runs only
     arch, extra = MODELS[name]
-    mtp = None
+    mtp = balance = None
     if arch == "Qwen3_5ForConditionalGeneration":
         from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
         text = {**COMMON, **QWEN35_TEXT, **{k: v for k, v in extra.items() if k != "model_type"}}
@@ -175,10 +277,16 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
         model = Qwen3_5ForConditionalGeneration(cfg).to(DEV)
         mtp = mtp_layer(model).to(DEV)
     else:
-        cfg = AutoConfig.for_model(extra["model_type"], **{**COMMON, **{k: v for k, v in extra.items()
-                                                                         if k != "model_type"}})
+        kw = {**COMMON, **{k: v for k, v in extra.items() if k != "model_type"}}
+        if extra["model_type"] == "glm4_moe_lite":
+            kw.pop("head_dim")  # the class reads head_dim as qk_rope_head_dim
+        cfg = AutoConfig.for_model(extra["model_type"], **kw)
         cfg.architectures = [arch]
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(DEV)
+        if extra.get("num_nextn_predict_layers"):
+            mtp = nextn_layer(model).to(DEV)
+        if extra.get("topk_method") == "noaux_tc":
+            balance = score_bias_balancer([model] + ([mtp] if mtp else []))
     tok = PreTrainedTokenizerFast.from_pretrained(tdir)
     ids = torch.tensor(tok(open(train_txt, encoding="utf-8").read())["input_ids"], dtype=torch.long)
     n = (ids.numel() - 1) // (SEQ - 1)
@@ -208,6 +316,8 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if balance:
+            balance()
         if step % 250 == 0 or step == steps - 1:
             print(f"[{name}] step {step} loss {loss.item():.3f}"
                   + (f" mtp {mtp_loss.item():.3f}" if mtp else "") + f" ({time.time() - t0:.0f}s)", flush=True)
@@ -215,7 +325,11 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
     d = os.path.join(out, name)
     if getattr(cfg, "output_router_logits", False):
         model.config.output_router_logits = False
-    model.to(torch.bfloat16).save_pretrained(d)
+    fp32 = {k: b.clone() for k, b in model.named_buffers() if k.endswith("e_score_correction_bias")}
+    model.to(torch.bfloat16)
+    for k, b in fp32.items():  # the routers' score bias stays fp32, as GLM-4.7-Flash stores it
+        model.get_buffer(k).data = b
+    model.save_pretrained(d)
     tok.save_pretrained(d)
     if mtp:
         mtp.save(d)
@@ -228,6 +342,10 @@ def train_one(name: str, tdir: str, train_txt: str, out: str, steps: int, seed: 
         saved.setdefault("rope_theta", COMMON["rope_theta"])  # readers older than transformers 5 look for this key
     if "num_local_experts" in saved:
         saved.setdefault("num_experts", saved["num_local_experts"])  # Qwen3-MoE's published key (exllamav3 reads it)
+    if arch == "Glm4MoeLiteForCausalLM":
+        # Keys vLLM and exllamav3 read (first_k_dense_replace, topk_method) that a transformers config may not keep.
+        for k, v in extra.items():
+            saved.setdefault(k, v)
     json.dump(saved, open(cfg_path, "w"), indent=2)
     with open(os.path.join(d, "train.json"), "w") as f:
         json.dump({"steps": steps, "final_loss": loss.item(), "seconds": time.time() - t0,

@@ -56,9 +56,10 @@ def dense_model(path: str):
     for i in range(text["num_hidden_layers"]):
         pre = f"model.layers.{i}.mlp.experts"
         if f"{pre}.gate_up_proj" in want:
-            n = text["num_experts"]
-            sd[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"{pre}.{e}.gate_proj.weight"),
-                                                                sd.pop(f"{pre}.{e}.up_proj.weight")]) for e in range(n)])
+            n = want[f"{pre}.down_proj"].shape[0]  # num_experts, or n_routed_experts (GLM-4-MoE-Lite)
+            sd[f"{pre}.gate_up_proj"] = torch.stack([
+                torch.cat([sd.pop(f"{pre}.{e}.gate_proj.weight"), sd.pop(f"{pre}.{e}.up_proj.weight")])
+                for e in range(n)])
             sd[f"{pre}.down_proj"] = torch.stack([sd.pop(f"{pre}.{e}.down_proj.weight") for e in range(n)])
     # Padded widths in the checkpoint are trimmed to the model's.
     loaded = {k: v[tuple(slice(0, s) for s in want[k].shape)].contiguous() for k, v in sd.items() if k in want}
@@ -70,19 +71,25 @@ def dense_model(path: str):
 
 
 def router_gaps(model, cfg: dict, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [T, vocab], gaps [T, layers]): each layer's gap between its k-th and (k+1)-th router probability."""
+    """(logits [T, vocab], gaps [T, MoE layers]): each MoE layer's gap between its k-th and (k+1)-th router
+    probability; for sigmoid routers with a score-correction bias (GLM-4-MoE-Lite), between the k-th and (k+1)-th of
+    the scores it selects on (sigmoid + bias)."""
     router: dict[int, torch.Tensor] = {}
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda mod, inp, out, i=i: router.__setitem__(i, (out[0] if isinstance(out, tuple) else out).detach()))
-        for i, layer in enumerate(model.model.layers)]
+
+    def keep(mod, inp, out, i):
+        x = (out[0] if isinstance(out, tuple) else out).detach().float()
+        bias = getattr(mod, "e_score_correction_bias", None)
+        router[i] = torch.softmax(x, -1) if bias is None else torch.sigmoid(x) + bias.float()
+
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, inp, out, i=i: keep(mod, inp, out, i))
+             for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]  # not dense layers
     dev = next(model.parameters()).device
     with torch.no_grad():
         logits = model(ids.view(1, -1).to(dev)).logits[0].float().cpu()
     for h in hooks:
         h.remove()
     k = cfg["num_experts_per_tok"]
-    probs = [torch.softmax(router[i].view(len(ids), -1).float(), -1).sort(-1, descending=True).values.cpu()
-             for i in sorted(router)]
+    probs = [router[i].view(len(ids), -1).sort(-1, descending=True).values.cpu() for i in sorted(router)]
     return logits, torch.stack([p[:, k - 1] - p[:, k] for p in probs], 1)
 
 

@@ -9,7 +9,8 @@ Prompts: consecutive held-out windows (make_models.py's split, the checkpoint's 
 spec-decode counters: accepted draft tokens over drafted ones, and tokens per verification step (1 + accepted per
 draft). `--alone` also generates each prompt by itself in the same engines (concurrency 1 beside the batch of all
 prompts, as the issue's exactness contract asks), and adds the floor as a row with 0 draft tokens: the undrafted
-engine's batch against its own lone runs. Prints one JSON line per draft length.
+engine's batch against its own lone runs. Prints one JSON line per draft length. DeepSeek-style MTP layers
+(num_nextn_predict_layers: GLM-4-MoE-Lite) load through `--load-format exl3` in every engine (draft_args).
 """
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ from kit_args import kit_llm_args  # noqa: E402
 from test_real_checkpoints import TIE  # noqa: E402
 
 
+def draft_args(cfg: dict) -> dict:
+    """vLLM's DeepSeek-style drafts build eh_proj as a plain torch Linear: the plugin serves an EXL3 one only through
+    its load format, which passes every other tensor through as vLLM's default loader does (so the undrafted engines
+    take it too, and load the same weights)."""
+    return {"load_format": "exl3"} if cfg.get("num_nextn_predict_layers") else {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
@@ -46,7 +54,7 @@ def main() -> None:
     windows = heldout_windows(a.heldout, a.ckpt, n=a.prompts, width=a.prompt_len)
     prompts = [{"prompt_token_ids": w} for w in windows]
     base = {"enable_prefix_caching": False, "max_num_seqs": a.prompts, "max_model_len": a.prompt_len + a.tokens + 16,
-            **kit_llm_args(cfg)}
+            **kit_llm_args(cfg), **draft_args(cfg)}
     env = stubs_env()
     gen = {**base, "one_at_a_time": a.alone}
     spec = {k: start_engine(a.ckpt, "bfloat16", prompts, a.tokens, env=env,
