@@ -6,11 +6,25 @@ import functools
 
 import torch
 import transformers
+from engine import finish, results, run_engine, start_engine
 
 PROMPTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12", "w10 w20 w30 w40 w50", "w7", "w300 w2 w999 w4 w5",
            "w8 w8 w8 w8", "w42 w43", "w1000 w1 w100 w10", "w5 w6 w7 w8 w9", "w64 w65 w66", "w3 w1 w4 w1 w5 w9 w2 w6",
            "w77 w77", "w900 w800 w700 w600 w500 w400", "w12 w13", "w250 w251 w252 w253", "w1 w1 w2 w3 w5 w8 w13",
            "w600 w6"]  # 16 requests: the issue's c=16
+
+
+def engine_pair(ckpt, spec, tokens, vocab, engine, env=None, spec_extra=None):
+    """Two engines at once, bf16: without speculation (every prompt's distributions and greedy tokens), and with the
+    draft `spec` (the prompts together, then each alone). `engine`: both engines' LLM arguments; `spec_extra`: the
+    drafting engine's own. Returns (plain results, drafting results)."""
+    drafting = start_engine(ckpt, "bfloat16", PROMPTS, tokens, env=env,
+                            extra={"speculative_config": spec, "full_decode_logprobs": vocab, "one_at_a_time": True,
+                                   **engine, **(spec_extra or {})})
+    plain = run_engine(ckpt, "bfloat16", PROMPTS, tokens, env=env,
+                       extra={"full_prompt_logprobs": vocab, "full_decode_logprobs": vocab, "one_at_a_time": True,
+                              **engine})
+    return results(plain), results(finish(drafting))
 
 
 @functools.lru_cache(maxsize=4)

@@ -145,37 +145,28 @@ def test_modules_left_out_of_tensor_storage_are_read_from_the_headers(tmp_path, 
     assert mods[nextn]["format"] == "exl3"
 
 
-def test_config_bits_speak_of_the_decoder_mtp_and_vision_are_reported_apart(tmp_path, capsys):
+@pytest.mark.parametrize("preset,mtp,modules", [("tiny-qwen3.5-vl", "mtp.*", 8),
+                                                ("tiny-glm4-moe-lite", "model.layers.3.*", 32)])
+def test_config_bits_speak_of_the_decoder_mtp_and_vision_are_reported_apart(tmp_path, capsys, preset, mtp, modules):
     """exllamav3's `bits` is the decoder's; MTP layers (mtp_bits) and a vision tower (vision_bits) are quantized apart.
-    A multimodal Qwen3.5 whose MTP layer has other bits than the decoder: no bits warning, and inspect shows each."""
+    A model whose MTP layer has other bits than the decoder (a multimodal Qwen3.5's mtp.*; GLM-4-MoE-Lite's
+    DeepSeek-style layer, decoder layer num_hidden_layers): no bits warning, and inspect shows each."""
     rules = tmp_path / "bits.json"
-    rules.write_text(json.dumps({"mtp.*": 6}))
+    rules.write_text(json.dumps({mtp: 6}))
     out = tmp_path / "m"
-    synthesize("tiny-qwen3.5-vl", str(out), bits=3, bits_map=str(rules), seed=3)
+    synthesize(preset, str(out), bits=3, bits_map=str(rules), seed=3)
     ck = Checkpoint(str(out))
     assert ck.quantization_config["bits"] == 3 and ck.quantization_config["mtp_bits"] == 6
     assert ck.average_bpw() == 3 and not ck.warnings
     assert cli.main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "MTP layers: 8 EXL3 modules, 6.00 bpw (config: 6)" in text
+    assert f"MTP layers: {modules} EXL3 modules, 6.00 bpw (config: 6)" in text
     assert "vision tower" not in text and "warning" not in text  # stored unquantized, as --vision_bits 16 does
-
-
-def test_a_deepseek_style_mtp_layer_is_reported_apart_from_the_decoder(tmp_path, capsys):
-    """GLM-4-MoE-Lite in exllamav3's layout: its MTP layer is decoder layer num_hidden_layers, outside tensor_storage,
-    at mtp_bits; the latent attention's kv_a is stored padded to 640 columns and kv_b_proj unquantized."""
-    rules = tmp_path / "bits.json"
-    rules.write_text(json.dumps({"model.layers.3.*": 6}))
-    out = tmp_path / "m"
-    synthesize("tiny-glm4-moe-lite", str(out), bits=3, bits_map=str(rules), seed=3)
-    ck = Checkpoint(str(out))
-    assert ck.quantization_config["bits"] == 3 and ck.quantization_config["mtp_bits"] == 6
-    assert ck.average_bpw() == 3 and not ck.warnings
-    assert ck.nextn_layer("model.layers.3.eh_proj") == "model.layers.3." and ck.nextn_layer("model.layers.2.mlp") is None
-    assert ck.modules["model.layers.0.self_attn.kv_a_proj_with_mqa"].n == 640
-    assert ck.modules["model.layers.0.self_attn.kv_b_proj"].shape == (512, 512)
-    assert cli.main(["inspect", str(out)]) == 0
-    assert "MTP layers: 32 EXL3 modules, 6.00 bpw (config: 6)" in capsys.readouterr().out
+    if preset == "tiny-glm4-moe-lite":  # exllamav3 pads the latent attention's kv_a to 640 and keeps kv_b_proj fp16
+        assert ck.nextn_layer("model.layers.3.eh_proj") == "model.layers.3."
+        assert ck.nextn_layer("model.layers.2.mlp") is None
+        assert ck.modules["model.layers.0.self_attn.kv_a_proj_with_mqa"].n == 640
+        assert ck.modules["model.layers.0.self_attn.kv_b_proj"].shape == (512, 512)
 
 
 def test_a_vision_attention_quantized_as_split_qkv_runs_as_the_towers_qkv(tmp_path, monkeypatch):

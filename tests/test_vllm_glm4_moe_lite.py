@@ -12,8 +12,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up c
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine import finish, results, run_engine, start_engine  # noqa: E402
-from mtp_contract import PROMPTS, check_dense_twin, check_mtp_contract  # noqa: E402
+from engine import run_engine  # noqa: E402
+from mtp_contract import PROMPTS, check_dense_twin, check_mtp_contract, engine_pair  # noqa: E402
 from exl3_vllm.synth import synthesize  # noqa: E402
 
 TOKENS = 16
@@ -37,13 +37,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(models):
-    spec = start_engine(models[1][0], "bfloat16", PROMPTS, TOKENS,
-                        extra={"speculative_config": SPEC, "load_format": "exl3", "full_decode_logprobs": VOCAB,
-                               "one_at_a_time": True, **ENGINE})
-    plain = run_engine(models[1][0], "bfloat16", PROMPTS, TOKENS,
-                       extra={"full_prompt_logprobs": VOCAB, "full_decode_logprobs": VOCAB, "one_at_a_time": True,
-                              **ENGINE})
-    return results(plain), results(finish(spec))
+    return engine_pair(models[1][0], SPEC, TOKENS, VOCAB, ENGINE, spec_extra={"load_format": "exl3"})
 
 
 def test_latent_attention_moe_model_matches_its_dense_twin_bf16(models, engines):

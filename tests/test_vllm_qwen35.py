@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from engine import finish, results, run_engine, start_engine, stubs_env  # noqa: E402
-from mtp_contract import PROMPTS, as_tensor, check_dense_twin, check_mtp_contract, kl  # noqa: E402
+from mtp_contract import PROMPTS, as_tensor, check_dense_twin, check_mtp_contract, engine_pair, kl  # noqa: E402
 from exl3_vllm.synth import synthesize  # noqa: E402
 from exl3_vllm.synth.presets import PRESETS  # noqa: E402
 
@@ -50,17 +50,11 @@ SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 
 @pytest.fixture(scope="module")
 def engines(models):
-    """Two engines at once: without speculation (every prompt's distributions and greedy tokens), and with the MTP
-    draft (the 16 prompts together, then each alone). The multimodal model's plain engine builds its vision tower
-    from the stored tensors; its drafting engine serves text only (--language-model-only), as an MTP user would."""
+    """The plain and the drafting engine (mtp_contract.engine_pair). The multimodal model's plain engine builds its
+    vision tower from the stored tensors; its drafting engine serves text only (--language-model-only), as an MTP
+    user would."""
     text_only = {"language_model_only": True} if "text_config" in json.load(open(f"{models[1][0]}/config.json")) else {}
-    spec = start_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
-                        extra={"speculative_config": SPEC, "full_decode_logprobs": VOCAB, "one_at_a_time": True,
-                               **ENGINE, **text_only})
-    plain = run_engine(models[1][0], "bfloat16", PROMPTS, TOKENS, env=STUBS,
-                       extra={"full_prompt_logprobs": VOCAB, "full_decode_logprobs": VOCAB, "one_at_a_time": True,
-                              **ENGINE})
-    return results(plain), results(finish(spec))
+    return engine_pair(models[1][0], SPEC, TOKENS, VOCAB, ENGINE, env=STUBS, spec_extra=text_only)
 
 
 def test_gated_delta_net_model_matches_its_dense_twin_bf16(models, engines):
