@@ -167,6 +167,14 @@ def test_config_bits_speak_of_the_decoder_mtp_and_vision_are_reported_apart(tmp_
         assert ck.nextn_layer("model.layers.2.mlp") is None
         assert ck.modules["model.layers.0.self_attn.kv_a_proj_with_mqa"].n == 640
         assert ck.modules["model.layers.0.self_attn.kv_b_proj"].shape == (512, 512)
+        # vLLM's fused q_a + kv_a, found without the model's packed mapping (a draft built apart may lack it)
+        pytest.importorskip("vllm")
+        from exl3_vllm.plugin.config import Exl3Config
+
+        c = Exl3Config({"quant_method": "exl3"})
+        c.load_checkpoint(str(out))
+        assert [spec.key for _, spec in c.specs_for("model.layers.3.self_attn.fused_qkv_a_proj")] == [
+            "model.layers.3.self_attn.q_a_proj", "model.layers.3.self_attn.kv_a_proj_with_mqa"]
 
 
 def test_a_vision_attention_quantized_as_split_qkv_runs_as_the_towers_qkv(tmp_path, monkeypatch):

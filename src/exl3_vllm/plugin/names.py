@@ -11,6 +11,9 @@ _WRAPPERS = ("model.", "language_model.", "lm.", "text_model.")
 DEFAULT_PACKED = {
     "qkv_proj": ["q_proj", "k_proj", "v_proj"],
     "gate_up_proj": ["gate_proj", "up_proj"],
+    # Latent attention (DeepSeek, GLM-4-MoE-Lite): models add it to their mapping at construction; an MTP draft
+    # that builds the same layer may not carry the model's mapping.
+    "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
 }
 _SLICE = re.compile(r"\.slice\.(\d+)$")
 
