@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 46 on the GPU, detached beside other jobs (the corpus gate): Qwen3.5 with its EXL3 MTP draft under vLLM's
 # speculative decoding (tests/test_vllm_qwen35.py: 16 requests together and each alone, CUDA graphs, a fixed KV
-# cache); our kernels against the format reference inside one engine on a synthetic multimodal Qwen3.5
+# cache; again on the format reference's linears), a DeepSeek-style draft (tests/test_vllm_glm4_moe_lite.py, needs
+# the MoE add-on), our kernels against the format reference inside one engine on a synthetic multimodal Qwen3.5
 # (exactness.py, served as text); and beside them the trained Qwen3.5 (MTP_CKPT: a checkpoint directory, or a
 # corpus job's name, default qwen3.5-mtp-b4, waited for until the corpus pipeline has converted it) drafting: greedy
 # output against undrafted at c=16 and c=1, and the draft's acceptance (bench/peer/corpus/mtp_check.py, on held-out
@@ -35,8 +36,17 @@ converted() {
     --heldout ${MTP_HELDOUT:-/tmp/corpus/tree/.peer/src/exllamav3/conversion/standard_cal_data} > $O/mtp-check.log 2>&1
   echo "rc=$?" >> $O/mtp-check.log ) &
 CHECK=$!
+# The MTP contract again with both engines on the format reference's linears, beside it: a parting that stays
+# there is vLLM's (bf16 attention, GDN), not our kernels'.
+( EXL3_VLLM_BACKEND=reference timeout 900 python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_qwen35.py -k mtp \
+    > $O/qwen35-reference.log 2>&1; echo "rc=$?" >> $O/qwen35-reference.log ) &
+REF=$!
 timeout 900 python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_qwen35.py > $O/qwen35-pytest.log 2>&1
 echo "rc=$?" >> $O/qwen35-pytest.log
+# A DeepSeek-style draft (GLM-4-MoE-Lite, latent attention): needs the kit's MoE add-on staged (c3).
+timeout 600 python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_glm4_moe_lite.py > $O/glm-pytest.log 2>&1
+echo "rc=$?" >> $O/glm-pytest.log
+wait $REF
 python3 -m exl3_vllm.cli synth --config tiny-qwen3.5-vl --bits 3.5 --head-bits 6 --seed 3 --out /tmp/q35-synth \
   > $O/qwen35-exact.log 2>&1
 EXACT_KV_MIB=512 timeout 600 python3 bench/serve_gpu/exactness.py --checkpoint /tmp/q35-synth --dtype bfloat16 \
