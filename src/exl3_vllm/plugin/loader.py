@@ -54,13 +54,11 @@ class Exl3ModelLoader(DefaultModelLoader):
 
     def get_all_weights(self, model_config, model):
         weights = super().get_all_weights(model_config, model)
-        if getattr(model_config, "quantization", None) != "exl3":
+        checkpoint = _checkpoint(model)
+        if checkpoint is None:
             yield from weights
             return
-        from .config import _resolve_dir
-
         params = dict(model.named_parameters())
-        checkpoint = Checkpoint(_resolve_dir(model_config.model, model_config.revision))
         plain = plain_linears(checkpoint, params)
         owner = {t.name: spec for spec in plain.values() for t in spec.tensors.values()}
         done = set()
@@ -73,3 +71,15 @@ class Exl3ModelLoader(DefaultModelLoader):
                 logger.info("exl3: %s is a plain torch Linear in this model: loading its EXL3 weight dense",
                             spec.key)
                 yield from dense_linear(checkpoint, spec, params[f"{spec.key}.weight"]).items()
+
+
+def _checkpoint(model) -> Checkpoint | None:
+    """The checkpoint the model's EXL3 layers were made from (Exl3Config read its headers once), or None for a
+    model with none."""
+    from .config import Exl3Config
+
+    for m in model.modules():
+        cfg = getattr(getattr(m, "quant_method", None), "config", None)
+        if isinstance(cfg, Exl3Config):
+            return cfg.checkpoint
+    return None
