@@ -12,6 +12,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+
+def live_heads(worker) -> int:
+    """Output heads alive in the worker's process: a draft's own head, replaced by the model's after loading, must
+    have been freed (vLLM freezes the collector's heap after start-up: unfreeze it to count what is left)."""
+    import gc
+
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    gc.unfreeze()
+    gc.collect()
+    return sum(isinstance(o, ParallelLMHead) for o in gc.get_objects())
+
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
 
@@ -63,4 +75,5 @@ if __name__ == "__main__":
     if kwargs.get("speculative_config"):
         counts = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
         results[0]["spec_decode"] = {k: v for k, v in counts.items() if isinstance(v, (int, float))}
+        results[0]["live_heads"] = llm.collective_rpc(live_heads)[0]
     print("RESULT " + json.dumps(results), flush=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
@@ -79,10 +81,12 @@ def padded_dense_head_method():
 
     class PaddedDenseHead(UnquantizedEmbeddingMethod):
         def create_weights(self, layer, *args, **extra_weight_attrs):
-            loader = extra_weight_attrs.pop("weight_loader")
+            # Weakly held: a draft's own head that vLLM replaces by the model's must be freed (linear_method._loader).
+            loader = weakref.WeakMethod(extra_weight_attrs.pop("weight_loader"))
+            vocab = layer.org_vocab_size
 
             def load(param, loaded_weight):
-                return loader(param, loaded_weight.narrow(0, 0, layer.org_vocab_size))
+                return loader()(param, loaded_weight.narrow(0, 0, vocab))
 
             super().create_weights(layer, *args, weight_loader=load, **extra_weight_attrs)
 

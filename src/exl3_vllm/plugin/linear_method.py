@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -218,6 +219,10 @@ class Exl3LinearMethod(LinearMethodBase):
         return int(shard_id)
 
     def _loader(self, layer, name: str):
+        # A weak reference: a layer that vLLM drops after loading (an MTP draft's own head, replaced by the model's)
+        # must not be kept alive by its parameters' loaders.
+        layer_ref = weakref.ref(layer)
+
         def load(param, loaded_weight: torch.Tensor, shard_id=None, *args, **kwargs):
             if isinstance(shard_id, tuple) and len(self.owner) != len(set(self.owner)):
                 for s in shard_id:  # one checkpoint module holding several partitions: each takes its columns
@@ -226,6 +231,7 @@ class Exl3LinearMethod(LinearMethodBase):
             load_one(param, loaded_weight, self._shard_index(shard_id))
 
         def load_one(param, loaded_weight: torch.Tensor, s: int):
+            layer = layer_ref()
             spec = self.specs[s]
             src_start, dst_col, width, _ = layer.exl3.shards[s]
             k0 = layer.exl3.k_start

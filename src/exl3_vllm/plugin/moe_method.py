@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -256,6 +257,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def _loader(self, layer, name: str):
         stem, _, role = name.partition("_")
         shards = _SHARDS[stem]
+        layer_ref = weakref.ref(layer)  # as Exl3LinearMethod._loader: a dropped layer must not outlive its loading
 
         def load(param, loaded_weight: torch.Tensor, weight_name: str = "", shard_id: str | None = None,
                  expert_id: int | None = None, return_success: bool = False, **kwargs):
@@ -264,6 +266,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                                       f"expert {expert_id}, which does not fit {name}", file=self.path,
                                       tensor=weight_name or name,
                                       fix="EXL3 stores one linear per expert; stacked expert tensors are not EXL3")
+            layer = layer_ref()
             slot = compat.moe_local_expert(layer, expert_id)
             if slot < 0:
                 return False if return_success else None  # the expert lives on another rank
