@@ -729,6 +729,36 @@ def test_a_new_measured_choice_makes_the_next_call_decide_again(stub_gpu, monkey
     assert len(kop._RECIPES) == made
 
 
+def test_workspace_grown_while_timing_paths_is_released(stub_gpu, monkeypatch):
+    """The measured dispatch times paths it will not choose, some needing far more workspace than the chosen ones
+    (stream-k's fp32 rows, the large-M path's weight scratch): what the timing grew is released when it ends, with the
+    launch recipes made while timing (they hold it), and what was reserved before stays. On a first start that
+    workspace had stayed reserved beside the KV cache (2.1 GiB of the Qwen3.5-27B shape's, 2026-12-07e)."""
+    from exl3_vllm.kernels import tune
+
+    monkeypatch.setattr(tune, "merge_write", lambda *a: None)
+    monkeypatch.setattr(tune, "_path", lambda index: None)
+    monkeypatch.setattr(tune, "_table", {})
+    monkeypatch.setattr(tune, "_disk", {0: {}})
+    monkeypatch.setattr(tune.clock, "rest", lambda index: 0.0)
+    d = kop.device_for(0)
+    seen: dict[str, int] = {}
+
+    def timed(calls, reps):  # each candidate runs once (the stub launches nothing); its workspace is what is measured
+        calls[0]()
+        for name, buf in d.bufs.items():
+            seen[name] = max(seen.get(name, 0), buf.numel())
+        return 1.0 + len(stub_gpu)
+
+    monkeypatch.setattr(tune, "graph_time_us", timed)
+    kept = d.buf("counters", 64, torch.int32, zero=True)
+    sizes = [1024, 1024, 1024]
+    tune.ensure(d, 1024, 3072, 4, 2, sizes, 1024)
+    assert len(tune._table[0, tune.layer_key(1024, 3072, 4, 2, sizes)]) == len([b for b in tune.BUCKETS if b <= 1024])
+    assert seen["wscratch"] >= 1024 * 1024 and seen["ws_atomic"] >= 1024 * 3072 and seen["counters"] > 64
+    assert d.bufs == {"counters": kept} and d._old == [] and kop._RECIPES == {}
+
+
 @pytest.mark.skipif(not _HAVE_NVRTC, reason="cuda-bindings not installed (pip install cuda-bindings)")
 def test_a_dependent_launch_reuses_its_configuration():
     """A programmatic dependent launch's cuLaunchKernelEx configuration is built once per launch shape and stream

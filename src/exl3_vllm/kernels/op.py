@@ -269,7 +269,12 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     return y.reshape(*lead, n_total)
 
 
+def _forget_recipes() -> None:
+    _RECIPES.clear()
+
+
 tune.run_linear = linear_cuda
+tune.forget_recipes = _forget_recipes
 
 
 def launch_input(d, io, stream, x2, suh, xh, m, k, S, staged=False):

@@ -3,6 +3,7 @@ graphs keep pointing at them), and the argument struct every GEMM kernel takes."
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 
@@ -28,7 +29,8 @@ MAX_SHARDS = 8
 
 
 class Device:
-    """Per-device modules and workspace; buffers only grow and old ones stay alive for captured graphs."""
+    """Per-device modules and workspace; buffers only grow (but inside scratch_workspace) and old ones stay alive for
+    captured graphs."""
 
     def __init__(self, index: int):
         self.index = index
@@ -44,6 +46,18 @@ class Device:
         self.bufs: dict[str, torch.Tensor] = {}
         self._old: list[torch.Tensor] = []
         self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def scratch_workspace(self):
+        """Workspace grown inside the block is released when it ends; what was reserved before stays as it was."""
+        bufs, old = self.bufs, self._old
+        self.bufs, self._old = dict(bufs), []
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the block's kernels are done with what is released
+            self.bufs, self._old = bufs, old
 
     def module(self, source: str, defines: dict | None):
         mod = nvrtc.loaded(source, self.arch, defines, self.index)

@@ -38,8 +38,10 @@ LIGHT_BUCKET = 256
 # Which paths a bucket times (candidates, with_splits); part of the cache key, so a new rule re-times.
 TUNE_RULE = 3
 
-# The linear op whose paths are timed: kernels/op.py sets it when imported (this module never imports op).
+# The linear op whose paths are timed, and how to drop its launch recipes made while timing (they hold the timing's
+# workspace): kernels/op.py sets both when imported (this module never imports op).
 run_linear = None
+forget_recipes = None
 
 _table: dict[tuple, dict[int, str]] = {}
 _generation = 0  # counts changes to _table: a launch recipe decided from an older table is not reused
@@ -285,23 +287,31 @@ def _measure(d, k, n_total, bits, codebook, sizes, todo, table) -> None:
     svh = (torch.rand(n_total, device=dev, generator=g) + 0.5).half()
     col_align = math.gcd(*sizes)
     try:
-        for b in todo:
-            if b <= LIGHT_BUCKET:
-                clock.rest(d.index)
-            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16, generator=g)
-            y = torch.empty(b, n_total, device=dev, dtype=torch.bfloat16)
-            times: dict[Choice, float] = {}
-            cands = with_fixed(d, candidates(d, b, k, bits, codebook, col_align), b, k, n_total, bits, codebook, sizes)
-            _time_all(x, y, trs, suh, svh, sizes, codebook, b, cands, times)
-            if b <= split_bucket():
-                best = fastest_tiers(times)
-                more = [c for c in with_splits(d, best, b, k, n_total, bits, codebook, sizes) if c not in times]
-                _time_all(x, y, trs, suh, svh, sizes, codebook, b, more, times)
-            if times:
-                table[b] = min(times, key=times.get)
+        # Paths timed but not chosen may grow the workspace far past what the chosen ones need: released afterwards.
+        with d.scratch_workspace():
+            _measure_buckets(d, k, n_total, bits, codebook, sizes, todo, table, g, trs, suh, svh, col_align)
     finally:
         del trs
+        forget_recipes()
         torch.cuda.empty_cache()
+
+
+def _measure_buckets(d, k, n_total, bits, codebook, sizes, todo, table, g, trs, suh, svh, col_align) -> None:
+    dev = d.device
+    for b in todo:
+        if b <= LIGHT_BUCKET:
+            clock.rest(d.index)
+        x = torch.randn(b, k, device=dev, dtype=torch.bfloat16, generator=g)
+        y = torch.empty(b, n_total, device=dev, dtype=torch.bfloat16)
+        times: dict[Choice, float] = {}
+        cands = with_fixed(d, candidates(d, b, k, bits, codebook, col_align), b, k, n_total, bits, codebook, sizes)
+        _time_all(x, y, trs, suh, svh, sizes, codebook, b, cands, times)
+        if b <= split_bucket():
+            best = fastest_tiers(times)
+            more = [c for c in with_splits(d, best, b, k, n_total, bits, codebook, sizes) if c not in times]
+            _time_all(x, y, trs, suh, svh, sizes, codebook, b, more, times)
+        if times:
+            table[b] = min(times, key=times.get)
 
 
 def _time_all(x, y, trs, suh, svh, sizes, codebook, b, cands, times) -> None:
