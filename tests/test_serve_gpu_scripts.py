@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "bench", "serve_gpu"))
 
@@ -135,7 +137,7 @@ def test_gptq_peer_config_quantizes_every_linear_in_vllm(tmp_path):
 
 def test_mtp_report_ratios(tmp_path, capsys):
     """mtp_speed --report: each row against the same model undrafted and against bf16 at the same draft length and
-    concurrency; acceptance and the synthetic rates as the rows carry them."""
+    concurrency; acceptance and the synthetic rates as the rows carry them; every row with its commit and device."""
     import csv
 
     import mtp_speed
@@ -144,7 +146,8 @@ def test_mtp_report_ratios(tmp_path, capsys):
         res = {"output_throughput": tok_s, "completed": 8, "failed": 0, "mean_ttft_ms": 10.0, "mean_tpot_ms": 2.0}
         if k:
             res.update(spec_decode_acceptance_rate=rate, spec_decode_acceptance_length=1 + rate / 100)
-        return {"model": "/m/exl3" if quantized else "/m/bf16", "quantized": quantized, "spec_tokens": k,
+        return {"tag": f"{quantized}-k{k}", "device": "GPU X", "model": "/m/exl3" if quantized else "/m/bf16",
+                "quantized": quantized, "spec_tokens": k,
                 "concurrency": c, "spec_extra": {"synthetic_acceptance_rates": [0.6]} if k else {}, "result": res}
 
     rows = [row(True, 0, 1, 300.0), row(True, 1, 1, 450.0, 60.0), row(False, 0, 1, 200.0),
@@ -152,12 +155,17 @@ def test_mtp_report_ratios(tmp_path, capsys):
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "t.csv"
-    mtp_speed.report([str(src)], str(out))
+    mtp_speed.report([str(src)], str(out), commit="abc1234")
     got = {(r["kind"], r["spec_tokens"]): r for r in csv.DictReader(open(out))}
+    assert {(r["commit"], r["device"]) for r in got.values()} == {("abc1234", "GPU X")}
     assert float(got["exl3", "1"]["vs_undrafted"]) == 1.5 and float(got["exl3", "1"]["vs_bf16"]) == 1.8
     assert float(got["bf16", "1"]["vs_undrafted"]) == 1.25 and float(got["exl3", "0"]["vs_bf16"]) == 1.5
     assert got["exl3", "1"]["acceptance_pct"] == "60.0" and got["exl3", "1"]["synthetic_rates"] == "[0.6]"
     assert got["bf16", "0"]["acceptance_pct"] == "" and "| exl3 | 1 | 1 |" in capsys.readouterr().out
+    # Rows made before they recorded their device need --device; without it the report refuses, naming a row.
+    src.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "device"}) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="without a device"):
+        mtp_speed.report([str(src)], str(out), commit="abc1234")
 
 
 def test_mtp_servers_hold_as_many_sequences_as_the_largest_concurrency(tmp_path, monkeypatch):

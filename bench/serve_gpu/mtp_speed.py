@@ -50,12 +50,28 @@ def prompts_file(text_path: str, tokenizer_dir: str, n: int, tokens: int, out: s
     return path
 
 
-def report(paths: list[str], csv_path: str) -> None:
+def device_name() -> str:
+    """The GPU the rows ran on (nvidia-smi), or "cpu"."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    return out.splitlines()[0] if out else "cpu"
+
+
+def report(paths: list[str], csv_path: str, commit: str = "", device: str = "") -> None:
     """mtp_rows.jsonl files as one CSV and a markdown table: tok/s against the same model undrafted and against the
-    unquantized model of the same rows (draft length and concurrency)."""
+    unquantized model of the same rows (draft length and concurrency). Every row carries the commit (default: this
+    checkout's HEAD) and the device (recorded with the rows; --device for rows made before they were)."""
     import csv
 
+    commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                      text=True).stdout.strip()
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
+    missing = [r["tag"] for r in rows if not (device or r.get("device"))]
+    if missing:
+        sys.exit(f"rows without a device ({missing[0]}, ...): pass --device")
     by = {(r["quantized"], r["spec_tokens"], r["concurrency"]): r for r in rows}
     out = []
     for r in rows:
@@ -63,7 +79,8 @@ def report(paths: list[str], csv_path: str) -> None:
         k0 = by.get((q, 0, r["concurrency"]), {}).get("result", {})
         bf = by.get((False, r["spec_tokens"], r["concurrency"]), {}).get("result", {})
         tps = x.get("output_throughput")
-        out.append({"kind": "exl3" if q else "bf16", "model": os.path.basename(r["model"].rstrip("/")),
+        out.append({"commit": commit, "device": device or r["device"],
+                    "kind": "exl3" if q else "bf16", "model": os.path.basename(r["model"].rstrip("/")),
                     "spec_tokens": r["spec_tokens"], "concurrency": r["concurrency"],
                     "completed": x.get("completed"), "failed": x.get("failed"),
                     "output_tok_s": round(tps, 1) if tps else None,
@@ -75,13 +92,14 @@ def report(paths: list[str], csv_path: str) -> None:
                     if x.get("spec_decode_acceptance_length") is not None else None,
                     "synthetic_rates": r.get("spec_extra", {}).get("synthetic_acceptance_rates", ""),
                     "mean_ttft_ms": round(x.get("mean_ttft_ms", 0), 1),
+                    "median_ttft_ms": round(x.get("median_ttft_ms", 0), 1),
                     "mean_tpot_ms": round(x.get("mean_tpot_ms", 0), 2),
                     "serve": r.get("serve", "")})
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, list(out[0]))
         w.writeheader()
         w.writerows(out)
-    cols = [c for c in out[0] if c not in ("model", "serve")]
+    cols = [c for c in out[0] if c not in ("commit", "device", "model", "serve")]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for o in out:
         print("| " + " | ".join("" if o[c] is None else str(o[c]) for c in cols) + " |")
@@ -138,8 +156,8 @@ def bench_row(a, srv: Server, prompts: str, conc: int, n: int) -> dict:
         log.flush()
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     quantized = "quantization_config" in json.load(open(os.path.join(srv.model, "config.json")))
-    row = {"tag": srv.tag, "model": srv.model, "quantized": quantized, "spec_tokens": srv.spec, "concurrency": conc,
-           "num_prompts": n,
+    row = {"tag": srv.tag, "device": a.device, "model": srv.model, "quantized": quantized, "spec_tokens": srv.spec,
+           "concurrency": conc, "num_prompts": n,
            "output_len": a.output_len, "spec_extra": json.loads(a.spec_extra) if srv.spec else {}, "rc": rc,
            "wall_s": round(time.time() - t, 1)}
     path = os.path.join(raw, name)
@@ -153,8 +171,10 @@ def main() -> int:
         rp = argparse.ArgumentParser()
         rp.add_argument("--report", nargs="+", required=True, help="mtp_rows.jsonl files of one sitting")
         rp.add_argument("--csv", required=True)
+        rp.add_argument("--commit", default="", help="the tree the rows ran (default: this checkout's HEAD)")
+        rp.add_argument("--device", default="", help="for rows that did not record theirs")
         r = rp.parse_args()
-        report(r.report, r.csv)
+        report(r.report, r.csv, r.commit, r.device)
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", action="append", required=True, help="a checkpoint directory (repeat for more)")
@@ -178,6 +198,7 @@ def main() -> int:
                     help="how to run vLLM's command line (default: python3 $VKIT_CLI, the kit's)")
     a = ap.parse_args()
     os.makedirs(os.path.join(a.out, "raw"), exist_ok=True)
+    a.device = device_name()
     deadline = a.deadline or time.time() + 3600
     concs = a.concs = [int(c) for c in a.concurrency.split(",")]
     prompts = prompts_file(a.text, a.model[0], max(a.prompts or 0, 4 * max(concs), 8), a.prompt_tokens, a.out)

