@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -499,6 +500,9 @@ def test_tune_rests_before_light_buckets(monkeypatch):
 
     class D:
         index, device, sms, smem_limit, arch = 0, torch.device("cpu"), 132, 227 * 1024, 90
+
+        def scratch_workspace(self):
+            return contextlib.nullcontext()
     table = {}
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     tune._measure(D(), 256, 256, 4, 2, [256], [1, 256, 512, 1024], table)
