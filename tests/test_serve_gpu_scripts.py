@@ -190,3 +190,14 @@ def test_mtp_servers_hold_as_many_sequences_as_the_largest_concurrency(tmp_path,
         cmd = cmds[-1]
         i = cmd.index("--max-num-seqs")
         assert cmd[i:i + 2] == want and cmd.count("--max-num-seqs") == 1 and "--load-format" in cmd
+
+
+def test_mtp_speed_starts_no_server_that_cannot_serve_a_row_in_time():
+    """A server is started only with time left for a start as long as the slowest so far and one row: in 2026-12-07e
+    the second server of a call began 54 s before the deadline after a 286 s start, and was killed while loading."""
+    import mtp_speed
+
+    assert mtp_speed.room_for_server(deadline=1000.0, now=900.0, slowest_start=0.0)
+    assert not mtp_speed.room_for_server(deadline=1000.0, now=946.0, slowest_start=286.0)
+    assert mtp_speed.room_for_server(deadline=1000.0, now=684.0, slowest_start=286.0)
+    assert not mtp_speed.room_for_server(deadline=1000.0, now=950.0, slowest_start=0.0)
