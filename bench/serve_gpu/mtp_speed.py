@@ -153,6 +153,9 @@ def bench_row(a, srv: Server, prompts: str, conc: int, n: int) -> dict:
         "/v1/completions", "--model", "m", "--tokenizer", srv.model, "--dataset-name", "custom", "--dataset-path",
         prompts, "--custom-output-len", str(a.output_len), "--skip-chat-template", "--ignore-eos",
         "--max-concurrency", str(conc), "--num-prompts", str(n), "--seed", "0", "--temperature", "0",
+        # conc untimed requests at the row's concurrency first, so that its batch shapes' one-time work (vLLM's Triton
+        # JIT) is not timed; the bench reads the spec-decode counters after them
+        "--num-warmups", str(conc),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--save-result", "--result-dir", raw,
         "--result-filename", name]
     t = time.time()
