@@ -29,6 +29,7 @@ import sys
 import time
 
 from kit_args import kit_llm_args
+from report import git_commit
 from serve_bench import answers, stop_group, wait_until_up
 
 
@@ -66,8 +67,7 @@ def report(paths: list[str], csv_path: str, commit: str = "", device: str = "") 
     checkout's HEAD) and the device (recorded with the rows; --device for rows made before they were)."""
     import csv
 
-    commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip()
+    commit = commit or git_commit()
     rows = [json.loads(line) for p in paths for line in open(p) if line.strip()]
     missing = [r["tag"] for r in rows if not (device or r.get("device"))]
     if missing:

@@ -31,6 +31,8 @@ import re
 import sys
 import time
 
+from kit_args import kit_llm_args  # this script's folder is on sys.path when it runs
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -176,9 +178,7 @@ def main() -> int:
     kw.update({"quantization": a.quantization} if a.quantization else {})
     kw.update({} if a.cpu else {"gpu_memory_utilization": a.gpu_mem})
     kw.update({"speculative_config": json.loads(a.spec)} if a.spec else {})
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kit_args import kit_llm_args  # a multimodal config served as text; the kit's GDN prefill backend
-
+    # a multimodal config served as text; the kit's GDN prefill backend
     kw.update(kit_llm_args(json.load(open(os.path.join(a.model, "config.json")))))
     t0 = time.time()
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=max(concs), seed=0,
