@@ -248,7 +248,7 @@ def mem_table(meta: dict, kinds: list[str]) -> list[str]:
              ("torch.compile", "torch_compile_s", " s"),
              ("engine init (profile, KV, warm-up)", "init_engine_s", " s"),
              ("attention backend", "attention_backend", ""), ("quantization (vLLM's log)", "quantization", ""),
-             ("vLLM", "vllm_version", "")]
+             ("mixed-precision linear kernel (vLLM's log)", "linear_kernel", ""), ("vLLM", "vllm_version", "")]
     for label, key, unit in items:
         cells = []
         for kind in kinds:
