@@ -26,8 +26,8 @@ from exl3_vllm.kernels import clock  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us as graph_time  # noqa: E402
 
-# Llama-3-8B's linears (k x n): qkv, o, gate_up, down
-LAYERS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+# Llama-3-8B's linears (k x n): gate_up, down, qkv, o (the largest first, in case the deadline stops the run)
+LAYERS = [(4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)]
 CB = 2  # mul1
 
 
@@ -73,7 +73,7 @@ class Pipeline:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="256,1024,4096")
+    ap.add_argument("--ms", default="1024,256,4096")
     ap.add_argument("--layers", default="", help="e.g. 4096x4096 (default: Llama-3-8B's four)")
     ap.add_argument("--chunks", default="2,4,8")
     ap.add_argument("--carves", default="0,8,16,32")
