@@ -17,7 +17,6 @@ import csv
 import datetime
 import glob
 import os
-import subprocess
 import sys
 import time
 
@@ -28,6 +27,7 @@ from exl3_vllm.kernels import clock  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us as graph_time  # noqa: E402  (bench_moe imports it from here)
 from decode_floor import decode_floor  # noqa: E402
+from provenance import git_commit, gpu_name  # noqa: E402
 
 LAYERS = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672), (28672, 8192)]
 ALL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -131,7 +131,10 @@ def main():
                     help="auto: add exllamav3's kernels (bench/peer) where its library loads")
     ap.add_argument("--tiers", default="", help="extra forced tiers per row (with --no-compare: only these beside auto), e.g. x64,x128:fixed")
     ap.add_argument("--deadline", type=float, default=0, help="unix time: stop the grid and write what is done")
+    ap.add_argument("--commit", default="", help="the tree measured (a device copy's git is stale; default: git here)")
     args = ap.parse_args()
+    commit = args.commit or git_commit(os.path.dirname(os.path.abspath(__file__)))
+    device = gpu_name()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -165,7 +168,6 @@ def main():
         wb_bytes = k * n * 2
         nb = copies_for(wb_bytes, args.pool_gb, cap=args.calls)
         wbs = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(nb)]
-        base = {}
         for bits, cbn in configs:
             big = (k, n) == (8192, 28672)
             if (bits, cbn) not in ((4, "mul1"), (4, "mcg")) and not big:
@@ -201,12 +203,15 @@ def main():
                 if late():
                     break
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-                if m <= LIGHT_M:
-                    clock.rest(0)
-                if m not in base:
-                    calls = [lambda wt=wt: torch.nn.functional.linear(x, wt) for wt in (wbs * args.calls)[:args.calls]]
-                    base[m] = graph_time(calls, args.reps)
-                tb = base[m]
+                bf16_calls = [lambda wt=wt: torch.nn.functional.linear(x, wt) for wt in (wbs * args.calls)[:args.calls]]
+
+                def bf16_time():
+                    """bf16 timed beside each row it divides (never reused across codebooks or paths), its clock too."""
+                    if m <= LIGHT_M:
+                        clock.rest(0)
+                    t = graph_time(bf16_calls, args.reps)
+                    return t, clock.sm_mhz(0)
+
                 ts = (trs * (args.calls // len(trs) + 1))[:args.calls]
                 paths = [("auto", None)]
                 if args.compare and m >= 16 and bits == 4:
@@ -237,6 +242,7 @@ def main():
                         os.environ.pop("EXL3_VLLM_TIER", None)
                         print(f"{k}x{n} M={m} {pname}: skipped ({str(e)[:80]})", flush=True)
                         continue
+                    tb, mhz_b = bf16_time()
                     if m <= LIGHT_M:
                         clock.rest(0)
                     t_ours = graph_time(calls, args.reps)
@@ -252,7 +258,8 @@ def main():
                                TFLOPs=round(flops / t_ours / 1e6, 2), floor_us=round(floor * 1e6, 2),
                                pct_floor=round(100 * floor * 1e6 / t_ours, 1), decode_only_us=round(td, 2),
                                exllamav3_us=NA, exllamav3_path=NA, exllamav3_speedup=NA, ours_vs_exllamav3=NA,
-                               sm_mhz=mhz if mhz is not None else NA)
+                               sm_mhz=mhz if mhz is not None else NA, bf16_sm_mhz=mhz_b if mhz_b is not None else NA,
+                               commit=commit, device=device)
                     rows.append(row)
                     print(f"{row['layer']:>11} K={bits} {cbn:5s} M={m:5d} {pname:7s} ours {t_ours:9.2f} us  bf16 {tb:9.2f} us  "
                           f"x{tb / t_ours:5.2f}  floor {floor * 1e6:8.2f} us ({row['pct_floor']:5.1f}%)", flush=True)
@@ -261,6 +268,7 @@ def main():
                     # still recovering from the previous point's load would slow ours rather than exllamav3
                     try:
                         pcalls, ppath = peer_calls(peer, x.half(), ts, suh, svh, bits, cbn)
+                        tb, _ = bf16_time()
                         tp = graph_time(pcalls, args.reps)
                         del pcalls
                         for r in rows[-len(paths):]:
@@ -285,11 +293,6 @@ def main():
         wr = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         wr.writeheader()
         wr.writerows(rows)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "uncommitted"
-    except OSError:
-        commit = "unknown"
     md = os.path.join(args.out_dir, f"{args.tag}.md")
     with open(md, "w") as f:
         f.write(f"# EXL3 linear benchmark\n\n- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n"
@@ -299,7 +302,8 @@ def main():
                 f"- method: CUDA graph of {args.calls} calls on rotating weight copies (>= {args.pool_gb} GB pool or "
                 f"<= 256 copies), median of {args.reps} replays; floor = max(bytes/BW, weights/decode-only rate, flops/GEMM rate); "
                 f"rows with M <= {LIGHT_M} and the decode-only pass wait for NVML to report no power or thermal clock "
-                f"cap (kernels/clock.py); sm_mhz: the SM clock read right after ours\n"
+                f"cap (kernels/clock.py); bf16 is timed again beside every row it divides; "
+                f"sm_mhz / bf16_sm_mhz: the SM clock read right after ours / bf16\n"
                 f"- exllamav3: " + (f"{peer.PEER} ({os.path.basename(peer.__file__)}), what its LinearEXL3.forward runs: "
                                     f"exl3_gemm (own dispatch, path column) up to {PEER_RECON_ABOVE} rows, else reconstruct + "
                                     f"hgemm_recon; fp16 x, same trellis copies / suh / svh, same graph timing; "

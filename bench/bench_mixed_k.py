@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import subprocess
 import sys
 
 import torch
@@ -21,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from exl3_vllm.kernels.tune import graph_time_us as graph_time  # noqa: E402
+from provenance import git_commit, gpu_name  # noqa: E402
 
 MUL1 = 2
 LAYERS = {"qkv": (4096, [4096, 1024, 1024], [4, 5, 5]), "gate_up": (4096, [14336, 14336], [4, 5])}
@@ -68,11 +68,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default="")
+    ap.add_argument("--commit", default="", help="the tree measured (a device copy's git is stale; default: git here)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     ms = [int(m) for m in a.ms.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    gpu = torch.cuda.get_device_name(0)
+    commit = a.commit or git_commit(os.path.dirname(os.path.abspath(__file__)))
+    gpu = gpu_name()
     rows = []
     for name, (k, sizes, bits) in LAYERS.items():
         n = sum(sizes)

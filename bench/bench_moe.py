@@ -32,7 +32,6 @@ import contextlib
 import csv
 import datetime
 import os
-import subprocess
 import sys
 import time
 
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_linear import CB, copies_for, graph_time, measure_ceilings  # noqa: E402  (also puts src/ on sys.path)
+from provenance import git_commit, gpu_name  # noqa: E402
 from exl3_vllm.kernels import clock  # noqa: E402
 from exl3_vllm.kernels import op as kop  # noqa: E402
 from decode_floor import decode_floor  # noqa: E402
@@ -48,7 +48,8 @@ from decode_floor import decode_floor  # noqa: E402
 ALL_T = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 LIGHT_T = 256  # rows with T <= this wait for a rested SM clock (see bench/README.md, measurement notes)
 FIELDS = ["config", "K", "cb", "T", "distinct_experts", "ours_us", "bf16_us", "speedup", "vllm_us", "speedup_vllm", "GBps", "TFLOPs",
-          "floor_us", "pct_floor", "decode_only_us", "bf16_path", "sm_mhz", "error"]
+          "floor_us", "pct_floor", "decode_only_us", "bf16_path", "sm_mhz", "bf16_sm_mhz", "vllm_sm_mhz", "commit",
+          "device", "error"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -272,14 +273,6 @@ def _sync_quiet():
 # output
 
 
-def git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "uncommitted"
-    except OSError:
-        return "uncommitted"
-
-
 def write_outputs(args, rows, header_lines):
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, f"{args.tag}.csv")
@@ -322,10 +315,13 @@ def main():
     ap.add_argument("--baseline", choices=["auto", "loop"], default="auto")
     ap.add_argument("--vllm", choices=["auto", "off"], default="auto",
                     help="second bf16 baseline: vLLM's fused_experts (Triton), when vLLM imports and passes a probe")
+    ap.add_argument("--commit", default="", help="the tree measured (a device copy's git is stale; default: git here)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining T after this many seconds (0: none)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--tag", default="2026-12-02-moe-h200")
     args = ap.parse_args()
+    commit = args.commit or git_commit(os.path.dirname(os.path.abspath(__file__)))
+    device = gpu_name()
 
     t_start = time.time()
     torch.manual_seed(0)
@@ -447,7 +443,7 @@ def main():
 
     header = [
         f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"commit: {git_commit()}",
+        f"commit: {commit}",
         f"device: {torch.cuda.get_device_name(0)} ({sms} SMs), torch {torch.__version__}",
         f"command: `python bench/bench_moe.py {' '.join(sys.argv[1:])}`",
         f"shape: hidden {H}, moe intermediate {I}, {E} experts, top-{TOPK}, SwiGLU (w13 = gate|up {H}x{2 * I}, "
@@ -480,7 +476,6 @@ def main():
     ] + [f"setup: {line}" for line in log]
 
     rows = []
-    base = {}
     skipped = []
     for t in tokens:
         if args.budget_s and time.time() - t_start > args.budget_s:
@@ -496,52 +491,54 @@ def main():
                 rows.append(dict(row_base, config=f"{bits}:{cbn}", K=bits, cb=cbn, error="inputs: " + short_err(e)))
             print(f"T={t}: inputs failed: {short_err(e)}", flush=True)
             continue
-        # bf16 baseline, once per T
-        berr = ""
-        try:
-            if t <= LIGHT_T:
-                clock.rest(0)
-            if base_kind == "grouped" and base_mode == "graph":
-                calls = [lambda r=r, wc=wc: bf16_moe(x, r[0], r[1], wc[0], wc[1], I, e_range)
-                         for r, wc in zip(routes, (bfw * args.calls)[:args.calls])]
-            elif base_kind == "grouped":
-                pre = [bf16_route(r[0], e_range) for r in routes]
-                calls = [lambda r=r, p=p, wc=wc: bf16_compute(x, r[1], p, wc[0], wc[1], I)
-                         for r, p, wc in zip(routes, pre, (bfw * args.calls)[:args.calls])]
-            else:
-                plans = [loop_plan(r[0], r[1], E) for r in routes]
-                calls = [lambda p=p, wc=wc: loop_moe(x, p, wc[0], wc[1], I)
-                         for p, wc in zip(plans, (bfw * args.calls)[:args.calls])]
-            base[t] = graph_time(calls, args.reps)
-        except Exception as e:  # noqa: BLE001
-            berr = "bf16: " + short_err(e)
-            base[t] = None
-            print(f"T={t}: bf16 baseline failed: {short_err(e)}", flush=True)
-            torch.cuda.synchronize()
-        tb = base[t]
-        # vLLM fused_experts baseline, once per T
-        tv, verr = None, ""
-        if vfe is not None:
+        def baselines():
+            """bf16 and vLLM's fused_experts on this T's inputs, timed beside each row they divide (never reused
+            across codebooks), with the SM clock read after each."""
+            tb, tv, errs, mhz = None, None, [], {}
             try:
                 if t <= LIGHT_T:
                     clock.rest(0)
-                calls = [lambda r=r, wc=wc: vfe(x, wc[0], wc[1], r[1], r[0])
-                         for r, wc in zip(routes, (vfw * args.calls)[:args.calls])]
-                with vctx():
-                    tv = graph_time(calls, args.reps)
+                if base_kind == "grouped" and base_mode == "graph":
+                    calls = [lambda r=r, wc=wc: bf16_moe(x, r[0], r[1], wc[0], wc[1], I, e_range)
+                             for r, wc in zip(routes, (bfw * args.calls)[:args.calls])]
+                elif base_kind == "grouped":
+                    pre = [bf16_route(r[0], e_range) for r in routes]
+                    calls = [lambda r=r, p=p, wc=wc: bf16_compute(x, r[1], p, wc[0], wc[1], I)
+                             for r, p, wc in zip(routes, pre, (bfw * args.calls)[:args.calls])]
+                else:
+                    plans = [loop_plan(r[0], r[1], E) for r in routes]
+                    calls = [lambda p=p, wc=wc: loop_moe(x, p, wc[0], wc[1], I)
+                             for p, wc in zip(plans, (bfw * args.calls)[:args.calls])]
+                tb = graph_time(calls, args.reps)
+                mhz["bf16_sm_mhz"] = clock.sm_mhz(0)
             except Exception as e:  # noqa: BLE001
-                tv, verr = None, "vllm: " + short_err(e)
-                print(f"T={t}: vLLM baseline failed: {short_err(e)}", flush=True)
-                _sync_quiet()
-        berr = "; ".join(v for v in (berr, verr) if v)
+                errs.append("bf16: " + short_err(e))
+                print(f"T={t}: bf16 baseline failed: {short_err(e)}", flush=True)
+                torch.cuda.synchronize()
+            if vfe is not None:
+                try:
+                    if t <= LIGHT_T:
+                        clock.rest(0)
+                    calls = [lambda r=r, wc=wc: vfe(x, wc[0], wc[1], r[1], r[0])
+                             for r, wc in zip(routes, (vfw * args.calls)[:args.calls])]
+                    with vctx():
+                        tv = graph_time(calls, args.reps)
+                    mhz["vllm_sm_mhz"] = clock.sm_mhz(0)
+                except Exception as e:  # noqa: BLE001
+                    errs.append("vllm: " + short_err(e))
+                    print(f"T={t}: vLLM baseline failed: {short_err(e)}", flush=True)
+                    _sync_quiet()
+            return tb, tv, "; ".join(errs), mhz
+
         for bits, cbn in configs:
             ent = q[(bits, cbn)]
             weights = d_avg * per_expert_w
             nbytes = weights * bits / 8 + t * H * 2 * 2 + t * TOPK * 3 * I * 2 * 2
             flops = 2 * t * TOPK * per_expert_w
+            tb, tv, berr, mhz = baselines()
             row = dict(row_base, config=f"{bits}:{cbn}", K=bits, cb=cbn, distinct_experts=round(d_avg, 2),
                        bf16_us=None if tb is None else round(tb, 2), vllm_us=None if tv is None else round(tv, 2),
-                       error=berr)
+                       error=berr, commit=commit, device=device, **mhz)
             if "decode_rate" in ent:
                 dec_s = weights / ent["decode_rate"]
                 floor = max(nbytes / bw, dec_s, flops / gemm_rate)  # bw: bytes moved (read + write) per second
@@ -553,7 +550,6 @@ def main():
                 try:
                     if t <= LIGHT_T:
                         clock.rest(0)
-                    row["sm_mhz"] = clock.sm_mhz(0)
                     cb, nc = ent["cb"], ent["nc"]
                     args13 = [[ent["w13"][i % nc]] for i in range(args.calls)]
                     args2 = [[ent["w2"][i % nc]] for i in range(args.calls)]
@@ -564,6 +560,7 @@ def main():
                     calls[0]()  # first call of this T outside the capture (lazy compile / workspace)
                     torch.cuda.synchronize()
                     t_ours = graph_time(calls, args.reps)
+                    row["sm_mhz"] = clock.sm_mhz(0)
                     row.update(ours_us=round(t_ours, 2), GBps=round(nbytes / t_ours / 1e3, 1),
                                TFLOPs=round(flops / t_ours / 1e6, 2))
                     if tb is not None:

@@ -12,7 +12,10 @@ import datetime
 import json
 import math
 import os
-import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from provenance import git_commit  # noqa: E402,F401  (mtp_speed takes it from here too)
 
 KINDS = ("exl3", "bf16", "fp8", "gptq")
 PEERS = ("fp8", "gptq")
@@ -109,17 +112,6 @@ def goal_text(goals) -> str:
 
 def fmt(x: float, nd: int = 1) -> str:
     return "–" if math.isnan(x) else f"{x:,.{nd}f}"
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
-        return head + (" + uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def keys(rows: dict) -> list[tuple[int, int]]:
