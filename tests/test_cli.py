@@ -166,7 +166,7 @@ def test_config_bits_speak_of_the_decoder_mtp_and_vision_are_reported_apart(tmp_
         assert ck.nextn_layer("model.layers.3.eh_proj") == "model.layers.3."
         assert ck.nextn_layer("model.layers.2.mlp") is None
         assert ck.modules["model.layers.0.self_attn.kv_a_proj_with_mqa"].n == 640
-        assert ck.modules["model.layers.0.self_attn.kv_b_proj"].shape == (512, 512)
+        assert ck.modules["model.layers.0.self_attn.kv_b_proj"].shape == (4 * (192 + 256), 512)  # heads x (nope + v)
         # vLLM's fused q_a + kv_a, found without the model's packed mapping (a draft built apart may lack it)
         pytest.importorskip("vllm")
         from exl3_vllm.plugin.config import Exl3Config

@@ -73,13 +73,14 @@ PRESETS: dict[str, dict] = {
     ),
     # GLM-4.7-Flash's layout (Glm4MoeLiteForCausalLM): multi-head latent attention, a dense first layer, routed experts
     # with a shared one and sigmoid scores, one DeepSeek-style MTP layer. kv_lora_rank + qk_rope_head_dim stays 576,
-    # the one latent width vLLM's CPU MLA backends run.
+    # the one latent width vLLM's CPU MLA backends run; the heads are GLM-4.7-Flash's (192 + 64, v 256), which vLLM's
+    # GPU MLA prefill (FlashAttention) takes, as it does DeepSeek's, and no smaller ones.
     "tiny-glm4-moe-lite": _tiny(
         architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", intermediate_size=512,
         moe_intermediate_size=128, num_hidden_layers=3, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
         num_experts_per_tok=2, routed_scaling_factor=1.8, n_group=1, topk_group=1, norm_topk_prob=True,
         topk_method="noaux_tc", scoring_func="sigmoid", first_k_dense_replace=1, q_lora_rank=256, kv_lora_rank=512,
-        qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, rope_interleave=True, num_nextn_predict_layers=1,
+        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, rope_interleave=True, num_nextn_predict_layers=1,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     "tiny-mixtral": _tiny(
