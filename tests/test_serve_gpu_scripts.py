@@ -99,6 +99,10 @@ def test_gptq_peer_names_its_linears():
     assert (q["quant_method"], q["bits"], q["group_size"], q["sym"], q["desc_act"]) == ("gptq", 4, 128, True, False)
     assert "mlp.down_proj" in q["modules_in_block_to_quantize"][0]
     assert "mlp.experts" in serve_bench.gptq_config({"num_experts": 8})["modules_in_block_to_quantize"][0]
+    # On Hopper vLLM picks Machete for that config (H200, 2026-12-07f): the marlin kind switches it off.
+    assert serve_bench.server_env("marlin")["VLLM_DISABLED_KERNELS"] == "MacheteLinearKernel"
+    assert "VLLM_DISABLED_KERNELS" not in serve_bench.server_env("gptq") or \
+        serve_bench.server_env("gptq")["VLLM_DISABLED_KERNELS"] == os.environ["VLLM_DISABLED_KERNELS"]
 
 
 GPTQ_PROBE = """

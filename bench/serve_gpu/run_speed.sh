@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Device calls 3 (exl3) and 4 (bf16, then the report), and fp8 / gptq peers: one kind's serving benchmark; README.md here.
+# Device calls 3 (exl3) and 4 (bf16, then the report), and the fp8 / gptq / marlin peers: one kind's serving benchmark; README.md here.
 set -uo pipefail
 T0=$(date +%s)
-kind=${1:?usage: run_speed.sh exl3|bf16|fp8|gptq}
+kind=${1:?usage: run_speed.sh exl3|bf16|fp8|gptq|marlin}
 source bench/serve_gpu/device_env.sh || exit $?
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 RESERVE=0; [ "$kind" = bf16 ] && RESERVE=15

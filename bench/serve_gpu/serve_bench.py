@@ -1,7 +1,8 @@
 """Serving benchmark of one model kind: make the model in /tmp, start `vllm serve`, run `vllm bench serve` rows.
 
 Kinds: exl3 (our checkpoint), bf16 (the same config, `--load-format dummy`), fp8 (that, with `--quantization fp8`:
-vLLM's online FP8), gptq (that, with a 4-bit group-128 GPTQ quantization_config: vLLM runs it on Marlin).
+vLLM's online FP8), gptq (that, with a 4-bit group-128 GPTQ quantization_config: the kernel vLLM picks, Machete on
+Hopper), marlin (the same GPTQ model with Machete disabled: Marlin).
 On the GPU machine (run_speed.sh wraps it):
     python3 bench/serve_gpu/serve_bench.py --kind exl3 --out $OUT --deadline EPOCH
     python3 bench/serve_gpu/serve_bench.py --kind bf16 --out $OUT --deadline EPOCH
@@ -47,7 +48,17 @@ LOG_PATTERNS = {
 }
 
 
-KINDS = ("exl3", "bf16", "fp8", "gptq")
+KINDS = ("exl3", "bf16", "fp8", "gptq", "marlin")
+GPTQ_KINDS = ("gptq", "marlin")
+
+
+def server_env(kind: str) -> dict:
+    """On Hopper vLLM runs a GPTQ config on Machete, ahead of Marlin in its kernel list: marlin is the same model with
+    Machete switched off (its log line `Using ...LinearKernel` says which ran)."""
+    env = dict(os.environ)
+    if kind == "marlin":
+        env["VLLM_DISABLED_KERNELS"] = "MacheteLinearKernel"
+    return env
 
 
 def gptq_config(cfg: dict) -> dict:
@@ -161,7 +172,7 @@ class Run:
                 made["inspect"] = {k: v for k, v in json.loads(q.stdout).items() if k not in ("modules", "warnings")}
             except ValueError:
                 made["inspect_error"] = (q.stdout + q.stderr)[-500:]
-        if a.kind == "gptq":
+        if a.kind in GPTQ_KINDS:
             cfg_file = os.path.join(model, "config.json")
             c = json.load(open(cfg_file))
             c["quantization_config"] = gptq_config(c)
@@ -189,7 +200,10 @@ class Run:
         self.server_log_path = os.path.join(a.out, f"{a.kind}_server.log")
         log = open(self.server_log_path, "w")
         # Own session: the server and its engine process are stopped together by process-group id.
-        self.server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = server_env(a.kind)
+        if env.get("VLLM_DISABLED_KERNELS") != os.environ.get("VLLM_DISABLED_KERNELS"):
+            self.meta["commands"]["serve_env"] = f"VLLM_DISABLED_KERNELS={env['VLLM_DISABLED_KERNELS']}"
+        self.server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         t = time.time()
         if not wait_until_up(self.server, a.port, self.deadline - 40):
             if self.server.poll() is not None:
