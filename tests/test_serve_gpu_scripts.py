@@ -227,3 +227,26 @@ def test_mtp_speed_rows_warm_up_at_their_concurrency(tmp_path, monkeypatch):
         mtp_speed.bench_row(a, srv, "p.jsonl", conc, 4 * conc)
         i = cmds[-1].index("--num-warmups")
         assert cmds[-1][i + 1] == str(conc)
+
+
+def test_results_rows_name_their_tree(tmp_path):
+    """bench/provenance.git_commit: the short HEAD, marked once a tracked file differs from it (a row measured on an
+    uncommitted tree must not pass for the commit), "unknown" outside git."""
+    import subprocess
+
+    from provenance import git_commit
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (tmp_path / "f").write_text("a")
+    subprocess.run(git + ["add", "f"], check=True)
+    subprocess.run(git + ["commit", "-qm", "c"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert git_commit(str(tmp_path)) == head
+    (tmp_path / "untracked").write_text("x")  # untracked files do not change what was measured
+    assert git_commit(str(tmp_path)) == head
+    (tmp_path / "f").write_text("b")
+    assert git_commit(str(tmp_path)) == head + " + uncommitted changes"
+    outside = tmp_path.parent / (tmp_path.name + "-no-git")
+    outside.mkdir()
+    assert git_commit(str(outside)) == "unknown"
