@@ -43,7 +43,7 @@ LOG_PATTERNS = {
     "vllm_version": r"Initializing a V1 LLM engine \(v([\w.+-]+)\)",
     "attention_backend": r"Using (\w+) attention backend",
     "quantization": r"quantization=(\w+)",
-    # which kernel a GPTQ/AWQ config runs (gptq: must be Marlin; weights_gib tells whether it is really 4-bit)
+    # which kernel a GPTQ config runs (Machete or Marlin on Hopper; weights_gib tells whether it is really 4-bit)
     "linear_kernel": r"Using (\w+LinearKernel)",
 }
 

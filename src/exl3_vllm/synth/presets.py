@@ -73,8 +73,8 @@ PRESETS: dict[str, dict] = {
     ),
     # GLM-4.7-Flash's layout (Glm4MoeLiteForCausalLM): multi-head latent attention, a dense first layer, routed experts
     # with a shared one and sigmoid scores, one DeepSeek-style MTP layer. kv_lora_rank + qk_rope_head_dim stays 576,
-    # the one latent width vLLM's CPU MLA backends run; the heads are GLM-4.7-Flash's (192 + 64, v 256), which vLLM's
-    # GPU MLA prefill (FlashAttention) takes, as it does DeepSeek's, and no smaller ones.
+    # the one latent width vLLM's CPU MLA backends run; the heads are GLM-4.7-Flash's (192 + 64, v 256): vLLM's GPU MLA
+    # prefill (FlashAttention) takes only three head shapes, this one among them.
     "tiny-glm4-moe-lite": _tiny(
         architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", intermediate_size=512,
         moe_intermediate_size=128, num_hidden_layers=3, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
