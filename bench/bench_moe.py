@@ -491,6 +491,7 @@ def main():
                 rows.append(dict(row_base, config=f"{bits}:{cbn}", K=bits, cb=cbn, error="inputs: " + short_err(e)))
             print(f"T={t}: inputs failed: {short_err(e)}", flush=True)
             continue
+
         def baselines():
             """bf16 and vLLM's fused_experts on this T's inputs, timed beside each row they divide (never reused
             across codebooks), with the SM clock read after each."""
