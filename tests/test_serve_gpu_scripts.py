@@ -91,6 +91,26 @@ def test_report_ratios_and_goals(tmp_path, monkeypatch):
     assert "device" in head and "bf16_smi" in head
 
 
+def test_report_holds_exl3_to_marlin_beside_vllms_gptq_kernel(tmp_path, monkeypatch):
+    """The marlin kind (GPTQ with Machete off) is a peer of its own: labelled apart from vLLM's own choice, and a row
+    where EXL3 is slower than it misses issue 45's every-row goal."""
+    rows = {"exl3": [_row("exl3", 1024, 16, 2400.0, 5.1, 380.0)],
+            "bf16": [_row("bf16", 1024, 16, 1850.0, 7.6, 260.0)],
+            "gptq": [_row("gptq", 1024, 16, 2300.0, 4.9, 280.0)],
+            "marlin": [_row("marlin", 1024, 16, 2500.0, 4.8, 270.0)]}
+    for kind, rs in rows.items():
+        (tmp_path / f"{kind}_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+        (tmp_path / f"{kind}_meta.json").write_text(json.dumps({"commands": {"serve": f"serve {kind}"},
+                                                               "started": "2099-01-02 00:00:00 UTC"}))
+    monkeypatch.setattr(sys, "argv", ["report.py", "--dir", str(tmp_path), "--out-dir", str(tmp_path / "out"),
+                                      "--commit", "abc"])
+    assert report.main() == 0
+    md = (tmp_path / "out" / "2099-01-02-serve-h200.md").read_text()
+    labels = report.LABELS
+    assert labels["marlin"] in md and labels["gptq"] in md and labels["marlin"] != labels["gptq"]
+    assert "EXL3 / marlin 0.96x < 1" in md and "EXL3 / gptq" not in md.split("Peer goals missed")[1]
+
+
 def test_gptq_peer_names_its_linears():
     """With --load-format dummy there are no weight files for vLLM to find quantized layers in: the config names them,
     or vLLM would serve every layer in bf16."""
