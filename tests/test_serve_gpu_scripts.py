@@ -57,11 +57,8 @@ def _row(kind, n, c, tok_s, tpot, ttft):
                        "failed": 0}}
 
 
-def test_report_ratios_and_goals(tmp_path, monkeypatch):
-    rows = {"exl3": [_row("exl3", 1024, 1, 340.0, 2.9, 30.0), _row("exl3", 8192, 1, 300.0, 3.0, 260.0)],
-            "bf16": [_row("bf16", 1024, 1, 200.0, 4.8, 30.0), _row("bf16", 8192, 1, 190.0, 4.9, 200.0)],
-            "fp8": [_row("fp8", 1024, 1, 360.0, 2.7, 25.0)],
-            "gptq": [_row("gptq", 1024, 1, 300.0, 3.2, 28.0), _row("gptq", 8192, 1, 280.0, 3.3, 230.0)]}
+def _report(tmp_path, monkeypatch, rows: dict) -> str:
+    """Each kind's rows and meta as serve_bench writes them, report.py run on them; its markdown."""
     for kind, rs in rows.items():
         (tmp_path / f"{kind}_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
         (tmp_path / f"{kind}_meta.json").write_text(json.dumps({"commands": {"serve": f"serve {kind}"},
@@ -69,7 +66,15 @@ def test_report_ratios_and_goals(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["report.py", "--dir", str(tmp_path), "--out-dir", str(tmp_path / "out"),
                                       "--commit", "abc"])
     assert report.main() == 0
-    md = (tmp_path / "out" / "2099-01-02-serve-h200.md").read_text()
+    return (tmp_path / "out" / "2099-01-02-serve-h200.md").read_text()
+
+
+def test_report_ratios_and_goals(tmp_path, monkeypatch):
+    rows = {"exl3": [_row("exl3", 1024, 1, 340.0, 2.9, 30.0), _row("exl3", 8192, 1, 300.0, 3.0, 260.0)],
+            "bf16": [_row("bf16", 1024, 1, 200.0, 4.8, 30.0), _row("bf16", 8192, 1, 190.0, 4.9, 200.0)],
+            "fp8": [_row("fp8", 1024, 1, 360.0, 2.7, 25.0)],
+            "gptq": [_row("gptq", 1024, 1, 300.0, 3.2, 28.0), _row("gptq", 8192, 1, 280.0, 3.3, 230.0)]}
+    md = _report(tmp_path, monkeypatch, rows)
     assert "out tok/s 1.70x ≥1.6: met" in md                # 340 / 200
     assert "out tok/s 1.58x ≥1.6: MISSED" in md             # 300 / 190
     assert "TTFT 1.30x ≤1.1: MISSED" in md                  # 260 / 200
@@ -98,14 +103,7 @@ def test_report_holds_exl3_to_marlin_beside_vllms_gptq_kernel(tmp_path, monkeypa
             "bf16": [_row("bf16", 1024, 16, 1850.0, 7.6, 260.0)],
             "gptq": [_row("gptq", 1024, 16, 2300.0, 4.9, 280.0)],
             "marlin": [_row("marlin", 1024, 16, 2500.0, 4.8, 270.0)]}
-    for kind, rs in rows.items():
-        (tmp_path / f"{kind}_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
-        (tmp_path / f"{kind}_meta.json").write_text(json.dumps({"commands": {"serve": f"serve {kind}"},
-                                                               "started": "2099-01-02 00:00:00 UTC"}))
-    monkeypatch.setattr(sys, "argv", ["report.py", "--dir", str(tmp_path), "--out-dir", str(tmp_path / "out"),
-                                      "--commit", "abc"])
-    assert report.main() == 0
-    md = (tmp_path / "out" / "2099-01-02-serve-h200.md").read_text()
+    md = _report(tmp_path, monkeypatch, rows)
     labels = report.LABELS
     assert labels["marlin"] in md and labels["gptq"] in md and labels["marlin"] != labels["gptq"]
     assert "EXL3 / marlin 0.96x < 1" in md and "EXL3 / gptq" not in md.split("Peer goals missed")[1]
