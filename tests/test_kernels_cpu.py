@@ -750,7 +750,7 @@ def test_workspace_grown_while_timing_paths_is_released(stub_gpu, monkeypatch):
 
     def timed(calls, reps):  # each candidate runs once (the stub launches nothing); its workspace is what is measured
         calls[0]()
-        for name, buf in d.bufs.items():
+        for name, buf in d.bufs[0].items():
             seen[name] = max(seen.get(name, 0), buf.numel())
         return 1.0 + len(stub_gpu)
 
@@ -760,7 +760,7 @@ def test_workspace_grown_while_timing_paths_is_released(stub_gpu, monkeypatch):
     tune.ensure(d, 1024, 3072, 4, 2, sizes, 1024)
     assert len(tune._table[0, tune.layer_key(1024, 3072, 4, 2, sizes)]) == len([b for b in tune.BUCKETS if b <= 1024])
     assert seen["wscratch"] >= 1024 * 1024 and seen["ws_atomic"] >= 1024 * 3072 and seen["counters"] > 64
-    assert d.bufs == {"counters": kept} and d._old == [] and kop._RECIPES == {}
+    assert d.bufs == {0: {"counters": kept}} and d._old == [] and kop._RECIPES == {}
 
 
 @pytest.mark.skipif(not _HAVE_NVRTC, reason="cuda-bindings not installed (pip install cuda-bindings)")
@@ -775,6 +775,54 @@ def test_a_dependent_launch_reuses_its_configuration():
     assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.sharedMemBytes) == (132, 2, 1, 384, 200_000)
     assert int(cfg.hStream) == 7 and cfg.numAttrs == 1
     assert cfg.attrs[0].value.programmaticStreamSerializationAllowed == 1
+
+
+def test_a_concurrent_stream_has_its_own_workspace(monkeypatch):
+    """Calls on a stream registered as concurrent (vLLM's shared experts run on one beside the routed experts) never
+    share a workspace buffer with other streams' calls; streams not registered share one set. A concurrent stream's
+    first call inside a CUDA-graph capture may take up to what prepare() reserved, and no more."""
+    import os
+    import sys
+    import types
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    import host_cost
+
+    gemms = []
+    d = host_cost.stub(monkeypatch.setattr, launch=lambda f, grid, block, smem, stream, args, **kw:
+                       gemms.append((stream, args[0].xh, args[0].counters)) if f.startswith("exl3_gemm") else None)
+    monkeypatch.setattr(kop, "_RECIPES", {})
+    monkeypatch.setenv("EXL3_VLLM_TUNE", "0")
+    d.concurrent.add(7)
+    k, n = 1024, 1024
+    trellis, suh, svh = _layer(k, n, 4)
+    for m in (2, 16):  # an int8 tier and an fp16 one with its own input transform
+        d.bufs.clear()
+        gemms.clear()
+        x = torch.randn(m, k).half()
+        for handle in (0, 7, 8):
+            monkeypatch.setattr(torch.cuda, "current_stream",
+                                lambda dev=None, h=handle: types.SimpleNamespace(cuda_stream=h))
+            kop.linear_cuda(x, trellis, suh, svh, None, [n], 2)
+        (_, xh0, c0), (_, xh7, c7), (_, xh8, c8) = gemms
+        assert xh0 != xh7 and c0 != c7  # transformed x (xq / xh) and split-k counters
+        assert (xh8, c8) == (xh0, c0)
+        assert set(d.bufs) == {0, 7}
+    d.reserve("xq", 64, torch.int8)
+    d.reserve("counters", 64, torch.int32, zero=True)
+    d.concurrent.add(9)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert d.buf("xq", 64, torch.int8, stream=9).numel() == 64  # reserved: a new lane may take it inside a capture
+    with pytest.raises(kop.KernelError, match="'counters' needs .* CUDA graph is being captured"):
+        d.buf("counters", 10**6, torch.int32, zero=True, stream=9)
+    # Zeroed workspace made inside a capture is filled by the graph's replay; its first use outside one fills it.
+    counters = d.buf("counters", 64, torch.int32, zero=True, stream=9)
+    counters.fill_(5)  # what the memory holds before any replay
+    assert d.buf("counters", 64, torch.int32, zero=True, stream=9).eq(5).all()  # still inside the capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert d.buf("counters", 64, torch.int32, zero=True, stream=9) is counters and counters.eq(0).all()
+    counters.fill_(5)
+    assert d.buf("counters", 64, torch.int32, zero=True, stream=9).eq(5).all()  # once only: the kernels reset it
 
 
 def test_large_m_reconstruction_addresses_match_the_views_they_stand_for(monkeypatch):
@@ -798,7 +846,7 @@ def test_large_m_reconstruction_addresses_match_the_views_they_stand_for(monkeyp
     for dt in (torch.bfloat16, torch.float16):
         recons.clear()
         kop.linear_cuda(torch.randn(4, k).to(dt), trellis, suh, svh, None, sizes, 2)
-        w = d.bufs["wscratch"].view(dt)
+        w = d.bufs[0]["wscratch"].view(dt)
         want = [(0, 0, 1024), (1, 1024, 512), (1, 1536, 512), (2, 2048, 1024)]  # (shard, first column, columns)
         assert len(recons) == len(want)
         for (grid, a), (s, p0, pcols) in zip(recons, want):

@@ -253,6 +253,46 @@ def test_moe_deterministic_bit_exact(t, monkeypatch):
             assert torch.equal(kmoe.moe_cuda(x, w, ids, *w13, *w2), first), (t, dt)
 
 
+@pytest.mark.parametrize("t", [3, 16, 64])
+def test_moe_and_linear_on_two_streams(t, monkeypatch):
+    """vLLM runs a MoE layer's shared expert (our linear op) on a second stream while the routed experts (our MoE op)
+    run on the first: with that stream registered as concurrent, in flight together each gives what it gives alone.
+    Both queues are held behind a sleep so that they drain side by side."""
+    from exl3_vllm.kernels import concurrent_stream
+    from exl3_vllm.kernels import op as kop
+
+    monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")
+    monkeypatch.setenv("EXL3_VLLM_TUNE", "0")
+    gen = torch.Generator(device=DEV).manual_seed(51 + t)
+    w13, w2 = _experts("4-mul1", gen)
+    _prepare(w13, w2, 64)
+    k, n = K, 2 * I  # the shared expert's gate|up shape
+    trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 64), dtype=torch.int16, device=DEV, generator=gen)
+    suh, svh = _sv((1, k), SUH_SCALE, gen), _sv((n,), SVH_SCALE, gen)
+    kop.prepare(k, n, 4, MUL1, 64, DEV)
+    x = torch.randn(t, K, device=DEV, generator=gen).bfloat16()
+    w, ids = _route(t, gen, torch.int32)
+    alone_moe = kmoe.moe_cuda(x, w, ids, *w13, *w2).clone()
+    alone_lin = kop.linear_cuda(x, trellis, suh, svh, None, [n], MUL1).clone()
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    concurrent_stream(streams[1])  # as the plugin registers vLLM's auxiliary stream
+    moe_out, lin_out = [], []
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(20_000_000)
+    for _ in range(30):
+        with torch.cuda.stream(streams[0]):
+            moe_out.append(kmoe.moe_cuda(x, w, ids, *w13, *w2))
+        with torch.cuda.stream(streams[1]):
+            lin_out.append(kop.linear_cuda(x, trellis, suh, svh, None, [n], MUL1))
+    torch.cuda.synchronize()
+    bad_moe = sum(not torch.equal(y, alone_moe) for y in moe_out)
+    bad_lin = sum(not torch.equal(y, alone_lin) for y in lin_out)
+    assert torch.isfinite(alone_moe).all() and torch.isfinite(alone_lin).all()
+    assert bad_moe == 0 and bad_lin == 0, f"T={t}: {bad_moe} MoE and {bad_lin} linear results of 30 differ"
+
+
 def test_moe_bad_input():
     gen = torch.Generator(device=DEV).manual_seed(51)
     w13, w2 = _experts("4-mul1", gen)

@@ -5,6 +5,7 @@ from .embedding import embedding
 from .nvrtc import KernelError
 from .op import backend, deterministic, linear, linear_cuda, plan, prepare
 from .moe import moe_cuda, moe_experts, prepare_moe
+from .runtime import concurrent_stream
 
-__all__ = ["KernelError", "backend", "deterministic", "embedding", "linear", "linear_cuda", "moe_cuda", "moe_experts", "plan",
-           "prepare", "prepare_moe"]
+__all__ = ["KernelError", "backend", "concurrent_stream", "deterministic", "embedding", "linear", "linear_cuda",
+           "moe_cuda", "moe_experts", "plan", "prepare", "prepare_moe"]

@@ -176,7 +176,7 @@ def prepare_moe(w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w2_tr
             need[name] = max(need.get(name, 0), v)
     with d.lock:
         for name, v in need.items():
-            d.buf(name, v, _DTYPES[name], zero=name in ZERO_BUFS)
+            d.reserve(name, v, _DTYPES[name], zero=name in ZERO_BUFS)
 
 
 class _MoeGather(ctypes.Structure):
@@ -204,8 +204,8 @@ def _gemm(d, stream, bf, p: MoePlan, xin, trellis_groups, codebooks, where, svh,
     """One launch per (K, codebook) group; blocks of experts in other groups exit at once."""
     tier = TIERS[p.tier]
     ncb = n // 128
-    counters = d.buf("counters", p.max_blocks * ncb, torch.int32, zero=True)
-    ws = d.buf("ws_atomic", p.rows * n, torch.float32, zero=True) if splits > 1 else None
+    counters = d.buf("counters", p.max_blocks * ncb, torch.int32, zero=True, stream=stream)
+    ws = d.buf("ws_atomic", p.rows * n, torch.float32, zero=True, stream=stream) if splits > 1 else None
     for g, (tr, cb) in enumerate(zip(trellis_groups, codebooks)):
         bits = bits_of(tr)
         lin = d.module(LINEAR_SOURCE, linear_defines(bits, cb))
@@ -263,25 +263,25 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     moe = d.module(MOE_SOURCE, None)
     ids = topk_ids.reshape(-1).to(torch.int32)
     w = topk_weights.reshape(-1).to(torch.float32)
-    pos = d.buf("moe_pos", pairs, torch.int32)
-    rows = d.buf("moe_rows", p.rows, torch.int32)
-    blocks = d.buf("moe_blocks", p.max_blocks, torch.int32)
+    pos = d.buf("moe_pos", pairs, torch.int32, stream=stream)
+    rows = d.buf("moe_rows", p.rows, torch.int32, stream=stream)
+    blocks = d.buf("moe_blocks", p.max_blocks, torch.int32, stream=stream)
     nvrtc.launch(moe.function("exl3_moe_align", 12 * E), (1, 1, 1), (1024, 1, 1), 12 * E, stream,
                  [_u64(ids.data_ptr()), _i32(pairs), _i32(E), _i32(p.bm), _i32(p.max_blocks), _u64(pos.data_ptr()),
                   _u64(rows.data_ptr()), _u64(blocks.data_ptr())])
-    ybuf = d.buf("moe_y", p.rows * max(n13, n2), torch.int16)
+    ybuf = d.buf("moe_y", p.rows * max(n13, n2), torch.int16, stream=stream)
     y13 = ybuf[:p.rows * n13].view(x.dtype)
     gather = _MoeGather(blocks.data_ptr(), rows.data_ptr(), p.bm, x.data_ptr(), hidden, hidden, topk,
                         w13_suh.data_ptr(), 2, k13, w.data_ptr() if weights_on_input else 0)
     xmeta = None
     if tier.int8:
-        xin = d.buf("xq", 2 * p.max_blocks * (max(k13, k2) // 16) * 256, torch.int8)
-        xmeta = d.buf("xmeta", 2 * p.max_blocks * 32, torch.float32)
+        xin = d.buf("xq", 2 * p.max_blocks * (max(k13, k2) // 16) * 256, torch.int8, stream=stream)
+        xmeta = d.buf("xmeta", 2 * p.max_blocks * 32, torch.float32, stream=stream)
         nvrtc.launch(moe.function(f"exl3_moe_gather_i8_{sfx}", 4 * k13), (8, 2, p.max_blocks), (1024, 1, 1),
                      4 * k13, stream, [gather, _u64(xin.data_ptr()), _u64(xmeta.data_ptr()), _i32(p.max_blocks),
                                        _i32(k13)])
     else:
-        xin = d.buf("xh", p.rows * max(2 * k13, k2), torch.float16)
+        xin = d.buf("xh", p.rows * max(2 * k13, k2), torch.float16, stream=stream)
         warps = 2 * p.rows * (k13 // 128)
         nvrtc.launch(moe.function(f"exl3_moe_gather_{sfx}"), (-(-warps // 8), 1, 1), (256, 1, 1), 0, stream,
                      [gather, _u64(xin.data_ptr()), _i32(p.rows), _i32(k13), _i32(2)])

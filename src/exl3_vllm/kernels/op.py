@@ -73,7 +73,7 @@ def prepare(k: int, n_total: int, bits: float, codebook: int, max_m: int,
             need[name] = max(need.get(name, 0), v)
     with d.lock:
         for name, v in need.items():
-            d.buf(name, v, BUF_DTYPES[name], zero=name in ZERO_BUFS)
+            d.reserve(name, v, BUF_DTYPES[name], zero=name in ZERO_BUFS)
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
@@ -242,19 +242,19 @@ def linear_cuda(x, trellis, suh, svh, bias, shard_sizes, codebook, out=None, for
     S = len(sizes)
     xmeta = None
     if r.input == "i8":
-        xh = d.buf("xq", r.xh_numel, torch.int8)
-        xmeta = d.buf("xmeta", S * 32, torch.float32)
+        xh = d.buf("xq", r.xh_numel, torch.int8, stream=stream)
+        xmeta = d.buf("xmeta", S * 32, torch.float32, stream=stream)
         nvrtc.launch(r.input_fn, (INT8_MAX_M, S, 1), (1024, 1, 1), 4 * k, stream,
                      [ctypes.c_uint64(x2.data_ptr()), ctypes.c_int32(k), ctypes.c_uint64(suh.data_ptr()),
                       ctypes.c_uint64(xh.data_ptr()), ctypes.c_uint64(xmeta.data_ptr()), ctypes.c_int32(m),
                       ctypes.c_int32(k)])
     elif r.input == "xh":
-        xh = d.buf("xh", r.xh_numel, torch.float16)
+        xh = d.buf("xh", r.xh_numel, torch.float16, stream=stream)
         launch_input(d, r.io, stream, x2, suh, xh, m, k, S, staged=r.staged)
     else:
         xh = x2  # fused: unused by the kernel; any valid pointer
-    counters = d.buf("counters", r.counters, torch.int32, zero=True)
-    ws = d.buf(r.ws, r.ws_numel, torch.float32, zero=r.ws in ZERO_BUFS) if r.ws else None
+    counters = d.buf("counters", r.counters, torch.int32, zero=True, stream=stream)
+    ws = d.buf(r.ws, r.ws_numel, torch.float32, zero=r.ws in ZERO_BUFS, stream=stream) if r.ws else None
     a = GemmArgs.from_buffer_copy(r.args)
     a.xh, a.trellis, a.svh, a.bias, a.out = xh.data_ptr(), trellis.data_ptr(), svh.data_ptr(), _ptr(bias), y.data_ptr()
     a.ws, a.counters, a.xmeta = _ptr(ws), counters.data_ptr(), _ptr(xmeta)
@@ -312,7 +312,7 @@ def _dequant_path(d, r: _Recipe, stream, x2, trellis, suh, svh, bias, y, k, n_to
     """Per column chunk (shards side by side): the dense weight in x's dtype (both Hadamards, suh and svh folded
     in), then y's columns = x @ W (+ bias) by cuBLAS straight into y: no pass over x or y besides the GEMM's own.
     The bias is added in x's dtype here (vLLM passes it in the model's dtype, so that is exact there)."""
-    wbuf = d.buf("wscratch", k * r.p.chunk, torch.float16)
+    wbuf = d.buf("wscratch", k * r.p.chunk, torch.float16, stream=stream)
     if r.wts is None or r.wts[0] is not wbuf:  # each chunk's weight, as the GEMM reads it (views made once)
         w = wbuf.view(x2.dtype)
         r.wts = (wbuf, [w[:cols * k].view(cols, k).t() for _, cols, _ in r.chunks])

@@ -25,6 +25,17 @@ def unquantized_linear_method():
     return UnquantizedLinearMethod()
 
 
+def concurrent_streams() -> list:
+    """The streams vLLM runs layers on while the main stream runs others: its auxiliary stream, where a MoE layer's
+    shared experts run beside the routed ones (up to VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD tokens)."""
+    try:
+        from vllm.utils.torch_utils import aux_stream
+    except ImportError:  # pragma: no cover - a release without it runs shared experts on the main stream
+        return []
+    stream = aux_stream()
+    return [] if stream is None else [stream]
+
+
 def routed_experts_class():
     """The MoE experts layer type (a factory in 0.25 named FusedMoE; RoutedExperts in both)."""
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels  # noqa: F401  (registers torch.ops.exl3.linear)
+from . import compat
 from ..format.linear import linear as reference_linear
 
 
@@ -45,3 +46,5 @@ def prepare_experts(w13_trellis: list[torch.Tensor], w13_codebooks: list[int], w
         return
     kernels.prepare_moe(w13_trellis, w13_codebooks, w2_trellis, w2_codebooks, n_experts, topk,
                         max_batched_tokens(), w13_trellis[0].device)
+    for stream in compat.concurrent_streams():  # the shared experts' linears run there beside these experts
+        kernels.concurrent_stream(stream)
