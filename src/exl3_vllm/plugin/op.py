@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import kernels  # noqa: F401  (registers torch.ops.exl3.linear)
-from . import compat
 from ..format.linear import linear as reference_linear
+from . import compat
 
 
 def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
