@@ -123,6 +123,24 @@ def test_gptq_peer_names_its_linears():
         serve_bench.server_env("gptq")["VLLM_DISABLED_KERNELS"] == os.environ["VLLM_DISABLED_KERNELS"]
 
 
+def test_a_paired_kind_gives_up_its_turn_when_its_server_fails(tmp_path, monkeypatch):
+    """run_kinds.sh PAIR=1: a kind whose server exits during start-up still marks itself ready and done, so the kinds
+    waiting on it get their turn instead of waiting out the call; and it waits for its own turn files first."""
+    import time
+
+    import serve_bench
+    monkeypatch.setattr(serve_bench, "WORK", str(tmp_path / "work"))
+    ready, done, other = tmp_path / "k.ready", tmp_path / "k.done", tmp_path / "other.ready"
+    args = ["--kind", "bf16", "--out", str(tmp_path / "out"), "--preset", "tiny-llama", "--deadline",
+            str(time.time() + 120), "--vllm-cli", f"{sys.executable} -c 'raise SystemExit(1)'", "--ready-file",
+            str(ready), "--turn-after", f"{ready},{other}", "--done-file", str(done), "--rows", "64:1:1"]
+    monkeypatch.setattr(sys, "argv", ["serve_bench.py"] + args)
+    assert serve_bench.main() == 2 and ready.exists() and done.exists()
+    assert not serve_bench.wait_files([str(ready), str(other)], time.time() + 0.2)
+    other.touch()
+    assert serve_bench.wait_files([str(ready), str(other)], time.time() + 0.2)
+
+
 GPTQ_PROBE = """
 from vllm import LLM
 llm = LLM(model=MODEL, load_format="dummy", dtype="bfloat16", max_model_len=128, enforce_eager=True, skip_tokenizer_init=True,

@@ -91,6 +91,20 @@ def wait_until_up(proc: subprocess.Popen, port: int, until: float) -> bool:
     return False
 
 
+def wait_files(paths: list, until: float) -> bool:
+    """Wait until every path exists (True) or the epoch time `until` passes (False)."""
+    while not all(os.path.exists(p) for p in paths):
+        if time.time() > until:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def touch(path: str) -> None:
+    if path:
+        open(path, "a").close()
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """Stop a server started in its own session, with its engine process: SIGINT, then SIGKILL."""
     for sig, wait in ((signal.SIGINT, 25), (signal.SIGKILL, 10)):
@@ -142,8 +156,9 @@ class Run:
 
         cfg = load_config(a.preset)
         cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings") or 0, a.max_positions)
-        with open(cfg_path, "w") as f:
+        with open(cfg_path + f".{os.getpid()}", "w") as f:  # paired kinds write it at once
             json.dump(cfg, f, indent=1)
+        os.replace(cfg_path + f".{os.getpid()}", cfg_path)
         synth = [sys.executable, "-m", "exl3_vllm.cli", "synth", "--config", cfg_path, "--out", model, "--overwrite"]
         if a.kind == "exl3":
             synth += ["--bits", str(a.bits), "--codebook", "mul1", "--head-bits", str(a.head_bits), "--seed", "0"]
@@ -309,14 +324,32 @@ class Run:
         self.save_meta()
         if self.a.prepare_only:
             return 0
+        try:
+            return self.serve(model)
+        finally:
+            touch(self.a.ready_file)  # also on failure: a paired run must not wait for a server that never comes
+            touch(self.a.done_file)
+
+    def serve(self, model: str) -> int:
         for d in (self.a.out, WORK):
             open(os.path.join(d, f"{self.kind}_rows.jsonl"), "w").close()
-        if not self.start_server(model):
+        up = self.start_server(model)
+        touch(self.a.ready_file)
+        if not up:
             self.stop_server()
             self.meta["error"] = "server did not start"
             self.save_meta()
             return 2
         try:
+            if self.a.turn_after:
+                # Paired servers: rows only once no other server is starting or running rows on this GPU.
+                t = time.time()
+                if not wait_files(self.a.turn_after, self.deadline - 60):
+                    self.say(f"turn never came ({self.a.turn_after})")
+                    self.meta["error"] = "turn never came"
+                    return 2
+                self.meta["turn_wait_s"] = round(time.time() - t, 1)
+                self.say(f"turn after {self.meta['turn_wait_s']} s")
             self.warmup()
             for in_len, conc, n in self.a.rows:
                 need = EST_S.get((in_len, conc), 40) * self.a.est_scale
@@ -386,6 +419,11 @@ def main() -> int:
     cli = os.environ.get("VKIT_CLI", "-m vllm.entrypoints.cli.main")
     ap.add_argument("--vllm-cli", default=f"{sys.executable} {cli}",
                     help="how to run vLLM's command line (default: python3 $VKIT_CLI)")
+    # Paired runs (run_kinds.sh PAIR=1): servers start together, then take turns with the GPU for their rows.
+    ap.add_argument("--ready-file", default="", help="touched once this server is up (or failed to start)")
+    ap.add_argument("--turn-after", type=lambda t: [p for p in t.split(",") if p], default=[],
+                    help="files (comma-separated) to wait for between start-up and warm-up")
+    ap.add_argument("--done-file", default="", help="touched once this kind's rows are done and its server stopped")
     ap.add_argument("--prepare-only", action="store_true", help="only make the model (an earlier call can do it)")
     ap.add_argument("--table", metavar="ROWS_JSONL", help="only print the table of a rows file")
     a = ap.parse_args()
