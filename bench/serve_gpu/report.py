@@ -283,6 +283,7 @@ def main() -> int:
     ap.add_argument("--name", default="serve-h200")
     ap.add_argument("--preset", default="llama-3-8b", choices=sorted(MODELS), help="the model the rows served")
     ap.add_argument("--commit", help="default: git rev-parse here")
+    ap.add_argument("--calls", help="where the sitting's device calls are written down, when not the README's default")
     ap.add_argument("--device-run", action="store_true", help="run on the device copy (no git there)")
     a = ap.parse_args()
     rows, meta = load(a.dir)
@@ -345,11 +346,15 @@ def main() -> int:
     if a.exactness and os.path.exists(a.exactness):
         md += ["", "## Exactness (kernels vs the format reference in the same engine)", ""]
         md += exactness_lines(a.exactness)
-    md += ["", "## Exact commands", "",
-           "Device calls, back to back (bench/serve_gpu/README.md); the server and bench run in the vLLM kit's "
-           "environment (`/tmp/vllm-kit/env.sh`) plus `VLLM_PLUGINS=exl3` (bench/serve_gpu/device_env.sh):", "",
-           "| command | carry |", "|---|---|"]
-    md += [f"| `{c}` | `{k}` |" for c, k in calls]
+    md += ["", "## Exact commands", ""]
+    if a.calls:  # a sitting that did not follow the README's default calls names its own note
+        md += [f"Device calls as run: {a.calls}. The server and bench run in the vLLM kit's environment plus "
+               "`VLLM_PLUGINS=exl3` (bench/serve_gpu/device_env.sh); per kind:"]
+    else:
+        md += ["Device calls, back to back (bench/serve_gpu/README.md); the server and bench run in the vLLM kit's "
+               "environment (`/tmp/vllm-kit/env.sh`) plus `VLLM_PLUGINS=exl3` (bench/serve_gpu/device_env.sh):", "",
+               "| command | carry |", "|---|---|"]
+        md += [f"| `{c}` | `{k}` |" for c, k in calls]
     md += [""]
     for kind in present(rows):
         cmds = meta.get(kind, {}).get("commands", {})
