@@ -57,11 +57,11 @@ def _row(kind, n, c, tok_s, tpot, ttft):
                        "failed": 0}}
 
 
-def _report(tmp_path, monkeypatch, rows: dict) -> str:
+def _report(tmp_path, monkeypatch, rows: dict, serve_args: str = "") -> str:
     """Each kind's rows and meta as serve_bench writes them, report.py run on them; its markdown."""
     for kind, rs in rows.items():
         (tmp_path / f"{kind}_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
-        (tmp_path / f"{kind}_meta.json").write_text(json.dumps({"commands": {"serve": f"serve {kind}"},
+        (tmp_path / f"{kind}_meta.json").write_text(json.dumps({"commands": {"serve": f"serve {kind}{serve_args}"},
                                                                "started": "2099-01-02 00:00:00 UTC"}))
     monkeypatch.setattr(sys, "argv", ["report.py", "--dir", str(tmp_path), "--out-dir", str(tmp_path / "out"),
                                       "--commit", "abc"])
@@ -103,10 +103,12 @@ def test_report_holds_exl3_to_marlin_beside_vllms_gptq_kernel(tmp_path, monkeypa
             "bf16": [_row("bf16", 1024, 16, 1850.0, 7.6, 260.0)],
             "gptq": [_row("gptq", 1024, 16, 2300.0, 4.9, 280.0)],
             "marlin": [_row("marlin", 1024, 16, 2500.0, 4.8, 270.0)]}
-    md = _report(tmp_path, monkeypatch, rows)
+    md = _report(tmp_path, monkeypatch, rows, " --kv-cache-memory-bytes 12884901888")
     labels = report.LABELS
     assert labels["marlin"] in md and labels["gptq"] in md and labels["marlin"] != labels["gptq"]
     assert "EXL3 / marlin 0.96x < 1" in md and "EXL3 / gptq" not in md.split("Peer goals missed")[1]
+    # Paired servers (run_kinds.sh PAIR=1) set the KV cache on the command line, where vLLM logs no size.
+    assert "| KV cache (Available KV cache memory) | " + " | ".join(["12 GiB (fixed: --kv-cache-memory-bytes)"] * 4) in md
 
 
 def test_gptq_peer_names_its_linears():

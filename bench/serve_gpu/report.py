@@ -12,6 +12,7 @@ import datetime
 import json
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -246,6 +247,11 @@ def mem_table(meta: dict, kinds: list[str]) -> list[str]:
         cells = []
         for kind in kinds:
             v = meta.get(kind, {}).get("server_log", {}).get(key)
+            serve = meta.get(kind, {}).get("commands", {}).get("serve", "")
+            fixed = re.search(r"--kv-cache-memory-bytes[ =](\d+)", serve)
+            if key == "kv_cache_gib" and v is None and fixed:  # set on the command line (PAIR=1): vLLM logs no size
+                cells.append(f"{int(fixed.group(1)) / 2 ** 30:g} GiB (fixed: --kv-cache-memory-bytes)")
+                continue
             cells.append("–" if v is None else (", ".join(v) if isinstance(v, list) else f"{v}{unit}"))
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     for label, key in (("server start to ready", "server_start_s"), ("model prepared in", "model_s")):
