@@ -108,7 +108,8 @@ def test_report_holds_exl3_to_marlin_beside_vllms_gptq_kernel(tmp_path, monkeypa
     assert labels["marlin"] in md and labels["gptq"] in md and labels["marlin"] != labels["gptq"]
     assert "EXL3 / marlin 0.96x < 1" in md and "EXL3 / gptq" not in md.split("Peer goals missed")[1]
     # Paired servers (run_kinds.sh PAIR=1) set the KV cache on the command line, where vLLM logs no size.
-    assert "| KV cache (Available KV cache memory) | " + " | ".join(["12 GiB (fixed: --kv-cache-memory-bytes)"] * 4) in md
+    fixed = " | ".join(["12 GiB (fixed: --kv-cache-memory-bytes)"] * 4)
+    assert f"| KV cache (Available KV cache memory) | {fixed} |" in md
 
 
 def test_gptq_peer_names_its_linears():
