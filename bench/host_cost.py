@@ -14,7 +14,6 @@ import json
 import os
 import pstats
 import sys
-import threading
 import time
 import types
 
@@ -34,7 +33,7 @@ def stub(patch=setattr, launch=lambda *a, **k: None, mm=lambda a, b, out=None: o
     tuned layer pays. patch replaces the attributes (a test passes monkeypatch.setattr)."""
     d = runtime.Device.__new__(runtime.Device)
     d.index, d.device, d.arch, d.sms, d.smem_limit = 0, torch.device("cpu"), 90, 132, 227 * 1024
-    d.bufs, d.reserved, d.concurrent, d._old, d._unzeroed, d.lock = {}, {}, set(), [], set(), threading.Lock()
+    d.init_workspace()
     d.module = lambda src, defines: _Module()
     patch(op, "device_for", lambda i: d)
     patch(nvrtc, "launch", launch)

@@ -247,11 +247,12 @@ def mem_table(meta: dict, kinds: list[str]) -> list[str]:
         cells = []
         for kind in kinds:
             v = meta.get(kind, {}).get("server_log", {}).get(key)
-            serve = meta.get(kind, {}).get("commands", {}).get("serve", "")
-            fixed = re.search(r"--kv-cache-memory-bytes[ =](\d+)", serve)
-            if key == "kv_cache_gib" and v is None and fixed:  # set on the command line (PAIR=1): vLLM logs no size
-                cells.append(f"{int(fixed.group(1)) / 2 ** 30:g} GiB (fixed: --kv-cache-memory-bytes)")
-                continue
+            if key == "kv_cache_gib" and v is None:  # set on the command line (PAIR=1), vLLM logs no size
+                fixed = re.search(r"--kv-cache-memory-bytes[ =](\d+)", meta.get(kind, {}).get("commands", {})
+                                  .get("serve", ""))
+                if fixed:
+                    cells.append(f"{int(fixed.group(1)) / 2 ** 30:g} GiB (fixed: --kv-cache-memory-bytes)")
+                    continue
             cells.append("–" if v is None else (", ".join(v) if isinstance(v, list) else f"{v}{unit}"))
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     for label, key in (("server start to ready", "server_start_s"), ("model prepared in", "model_s")):

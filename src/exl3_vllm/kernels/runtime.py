@@ -44,7 +44,11 @@ class Device:
         props = torch.cuda.get_device_properties(index)
         self.sms = props.multi_processor_count
         self.smem_limit = getattr(props, "shared_memory_per_block_optin", 99 * 1024)
-        self.bufs: dict[int, dict[str, torch.Tensor]] = {}  # lane (0, or a concurrent stream's handle) -> name -> buffer
+        self.init_workspace()
+
+    def init_workspace(self) -> None:
+        """No workspace yet (also for a stand-in device made without __init__)."""
+        self.bufs: dict[int, dict[str, torch.Tensor]] = {}  # lane (0 or a concurrent stream) -> name -> buffer
         self.reserved: dict[str, int] = {}  # name -> elements prepare() reserved: any lane may take that much
         self.concurrent: set[int] = set()  # handles of streams whose ops may overlap other streams' ops
         self._old: list[torch.Tensor] = []
