@@ -112,6 +112,16 @@ def test_report_holds_exl3_to_marlin_beside_vllms_gptq_kernel(tmp_path, monkeypa
     assert f"| KV cache (Available KV cache memory) | {fixed} |" in md
 
 
+def test_report_says_how_moe_rows_routed():
+    """A MoE table whose weightless peers used their own routers says that their decode rows are not comparable;
+    one where vLLM's simulation drove every kind says so; a mix is flagged."""
+    sim = {"server_log": {"moe_routing_simulated": "uniform_random"}}
+    assert "not comparable" in report.routing_line({"exl3": {}, "bf16": {}}, ["exl3", "bf16"])
+    assert "uniform_random simulation for every kind" in report.routing_line({"exl3": sim, "bf16": sim},
+                                                                             ["exl3", "bf16"])
+    assert "NOT COMPARABLE" in report.routing_line({"exl3": sim, "bf16": {}}, ["exl3", "bf16"])
+
+
 def test_gptq_peer_names_its_linears():
     """With --load-format dummy there are no weight files for vLLM to find quantized layers in: the config names them,
     or vLLM would serve every layer in bf16."""
@@ -176,6 +186,41 @@ def test_gptq_peer_config_quantizes_every_linear_in_vllm(tmp_path):
     layers = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("LAYER ")]
     assert proc.returncode == 0 and len(layers) == 4 * cfg["num_hidden_layers"], proc.stderr[-3000:]
     assert all("GPTQ" in q and w != "torch.bfloat16" for *_, q, w in layers), layers
+
+
+def test_weightless_moe_routes_every_decode_row_alike(tmp_path):
+    """Why the MoE serving rows simulate routing for every kind: on a model without weights (--load-format dummy, how
+    the peers are served) every decode row goes to the same top-k experts, so a step reads k experts' weights where
+    our synthetic checkpoint's rows spread over most of them; vLLM's routing simulation also drives our MoE method."""
+    import subprocess
+
+    pytest.importorskip("vllm", reason="vLLM is not installed (the README's set-up command installs it)")
+    import serve_bench
+    from engine import engine_env
+
+    def synth(out, *extra):
+        subprocess.run([sys.executable, "-m", "exl3_vllm.cli", "synth", "--config", "tiny-qwen3-moe", "--out",
+                        str(tmp_path / out), *extra], check=True, capture_output=True)
+
+    def spread(model, *extra, env=None):
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "..", "bench", "serve_gpu", "routing_spread.py"),
+                               "--model", str(tmp_path / model), "--in-len", "32", "--decode-tokens", "8",
+                               "--out", str(tmp_path / f"{model}.json"), *extra], capture_output=True, text=True,
+                              timeout=600, env=dict(engine_env(), **(env or {})))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads((tmp_path / f"{model}.json").read_text()), proc.stdout + proc.stderr
+
+    synth("dummy", "--config-only", "--dense-dtype", "bfloat16")
+    synth("exl3")
+    dummy, _ = spread("dummy", "--dummy")
+    exl3, _ = spread("exl3")
+    top_k = dummy["top_k"]  # 2 of 8 experts; 16 rows routed uniformly touch 7.9 on average
+    assert dummy["decode_steps"] >= 6 and dummy["decode_distinct_max"] == top_k
+    assert exl3["decode_distinct_mean"] > 2 * top_k and exl3["decode_uniform"] > 7
+    env = serve_bench.server_env("exl3", "uniform_random")
+    _, log = spread("exl3", env={"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": env["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"]})
+    assert "Simulating MoE routing using a uniform_random strategy" in log
+    assert serve_bench.is_moe({"num_experts": 8}) and not serve_bench.is_moe({"num_hidden_layers": 2})
 
 
 def test_mtp_report_ratios(tmp_path, capsys):

@@ -232,6 +232,20 @@ def inspect_text(m: dict) -> str:
             f"{i.get('total_bytes', 0) / 2 ** 30:.2f} GiB; made on the device in {m.get('model_s', '?')} s")
 
 
+def routing_line(meta: dict, kinds: list[str]) -> str:
+    """How the MoE rows routed: the rows of kinds whose routers run on weightless models are not comparable."""
+    sim = {k: meta.get(k, {}).get("server_log", {}).get("moe_routing_simulated") for k in kinds}
+    if all(sim.values()):
+        return (f"- MoE routing: vLLM's {'/'.join(sorted(set(sim.values())))} simulation for every kind "
+                "(serve_bench.py --moe-routing), since weightless models route every decode row to the same experts "
+                "(routing_spread.py)")
+    if any(sim.values()):
+        return "- MoE routing: simulated for " + ", ".join(k for k in kinds if sim[k]) + " only: NOT COMPARABLE"
+    return ("- MoE routing: each model's own router. The weightless kinds (everything but EXL3) then send every "
+            "decode row to the same top-k experts (routing_spread.py), so their decode reads k experts a layer where "
+            "EXL3's rows spread over most of them: the peers' decode rows are not comparable with EXL3's")
+
+
 def mem_table(meta: dict, kinds: list[str]) -> list[str]:
     out = ["| | " + " | ".join(LABELS[k] for k in kinds) + " |", "|---|" + "---|" * len(kinds)]
     items = [("weights (vLLM: Model loading took)", "weights_gib", " GiB"),
@@ -314,7 +328,7 @@ def main() -> int:
           "length + concurrency (distinct per row, the same prompts for both models), request rate inf, "
           "`--max-concurrency` = c",
           "- ratios are EXL3 / bf16: tok/s above 1 and TPOT/TTFT below 1 favour EXL3; decode tok/s = 1000 / mean "
-          "TPOT", ""]
+          "TPOT"] + ([routing_line(meta, present(rows))] if a.preset == "qwen3-30b-a3b" else []) + [""]
     if png_note:
         md += [f"_{png_note}_", ""]
     else:

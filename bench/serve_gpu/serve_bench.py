@@ -45,6 +45,7 @@ LOG_PATTERNS = {
     "quantization": r"quantization=(\w+)",
     # which kernel a GPTQ config runs (Machete or Marlin on Hopper; weights_gib tells whether it is really 4-bit)
     "linear_kernel": r"Using (\w+LinearKernel)",
+    "moe_routing_simulated": r"Simulating MoE routing using a (\w+) strategy",
 }
 
 
@@ -52,13 +53,21 @@ KINDS = ("exl3", "bf16", "fp8", "gptq", "marlin")
 GPTQ_KINDS = ("gptq", "marlin")
 
 
-def server_env(kind: str) -> dict:
+def server_env(kind: str, moe_routing: str = "") -> dict:
     """On Hopper vLLM runs a GPTQ config on Machete, ahead of Marlin in its kernel list: marlin is the same model with
-    Machete switched off (its log line `Using ...LinearKernel` says which ran)."""
+    Machete switched off (its log line `Using ...LinearKernel` says which ran). moe_routing: vLLM's routing
+    simulation for every kind alike, since models without weights route every decode row to the same experts
+    (routing_spread.py)."""
     env = dict(os.environ)
     if kind == "marlin":
         env["VLLM_DISABLED_KERNELS"] = "MacheteLinearKernel"
+    if moe_routing:
+        env["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] = moe_routing
     return env
+
+
+def is_moe(cfg: dict) -> bool:
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
 
 
 def gptq_config(cfg: dict) -> dict:
@@ -67,7 +76,7 @@ def gptq_config(cfg: dict) -> dict:
     bf16 (the 2026-12-06 attempt loaded 14.96 GiB)."""
     linears = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+    if is_moe(cfg):
         linears += ["mlp.experts"]
     return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
             "checkpoint_format": "gptq", "lm_head": False, "modules_in_block_to_quantize": [linears]}
@@ -215,9 +224,13 @@ class Run:
         self.server_log_path = os.path.join(a.out, f"{a.kind}_server.log")
         log = open(self.server_log_path, "w")
         # Own session: the server and its engine process are stopped together by process-group id.
-        env = server_env(a.kind)
-        if env.get("VLLM_DISABLED_KERNELS") != os.environ.get("VLLM_DISABLED_KERNELS"):
-            self.meta["commands"]["serve_env"] = f"VLLM_DISABLED_KERNELS={env['VLLM_DISABLED_KERNELS']}"
+        routing = a.moe_routing if a.moe_routing != "model" and is_moe(json.load(open(f"{model}/config.json"))) else ""
+        self.meta["moe_routing"] = routing or "model"
+        env = server_env(a.kind, routing)
+        changed = [f"{k}={env[k]}" for k in ("VLLM_DISABLED_KERNELS", "VLLM_MOE_ROUTING_SIMULATION_STRATEGY")
+                   if env.get(k) != os.environ.get(k)]
+        if changed:
+            self.meta["commands"]["serve_env"] = " ".join(changed)
         self.server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         t = time.time()
         if not wait_until_up(self.server, a.port, self.deadline - 40):
@@ -415,6 +428,8 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.90)
     ap.add_argument("--port", type=int, default=8361)
     ap.add_argument("--serve-args", default="", help="extra `vllm serve` arguments (both kinds alike)")
+    ap.add_argument("--moe-routing", default="uniform_random",
+                    help="MoE models: vLLM's routing simulation strategy for every kind, or `model` (the router's)")
     ap.add_argument("--est-scale", type=float, default=1.0, help="scale of the per-row time estimates")
     cli = os.environ.get("VKIT_CLI", "-m vllm.entrypoints.cli.main")
     ap.add_argument("--vllm-cli", default=f"{sys.executable} {cli}",

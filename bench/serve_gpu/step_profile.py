@@ -162,7 +162,11 @@ def main() -> int:
     # "synthetic_acceptance_rates": [0.63]}': decode steps then verify k + 1 rows per request and run the draft.
     ap.add_argument("--spec", default="", help="speculative_config (JSON)")
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--moe-routing", default="", help="vLLM's MoE routing simulation (serve_bench.py's MoE rows use "
+                    "uniform_random: models without weights route every decode row alike)")
     a = ap.parse_args()
+    if a.moe_routing:
+        os.environ["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] = a.moe_routing
     if a.report:
         report(a.report, a.commit, a.csv)
         return 0
@@ -186,6 +190,7 @@ def main() -> int:
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)
     res = {"model": a.model, "dtype": a.dtype, "dummy": a.dummy, "quantization": a.quantization, "spec": a.spec,
+           "moe_routing": a.moe_routing or "model",
            "in_len": a.in_len, "decode_tokens": a.decode_tokens, "init_s": round(time.time() - t0, 1),
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "phases": {}}
     use_cuda = torch.cuda.is_available() and not a.cpu
