@@ -277,7 +277,8 @@ def write_outputs(args, rows, header_lines):
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, f"{args.tag}.csv")
     with open(csv_path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=FIELDS)
+        extra = sorted({k for r in rows for k in r if k.startswith("ours_us_t")}, key=lambda k: int(k[9:]))
+        wr = csv.DictWriter(f, fieldnames=FIELDS[:6] + extra + FIELDS[6:])
         wr.writeheader()
         wr.writerows(rows)
     md = os.path.join(args.out_dir, f"{args.tag}.md")
@@ -315,6 +316,8 @@ def main():
     ap.add_argument("--baseline", choices=["auto", "loop"], default="auto")
     ap.add_argument("--vllm", choices=["auto", "off"], default="auto",
                     help="second bf16 baseline: vLLM's fused_experts (Triton), when vLLM imports and passes a probe")
+    ap.add_argument("--input-threads", default="",
+                    help="e.g. 256,512: also time ours with kmoe.INPUT_THREADS at each (columns ours_us_t<N>)")
     ap.add_argument("--commit", default="", help="the tree measured (a device copy's git is stale; default: git here)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining T after this many seconds (0: none)")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -570,6 +573,17 @@ def main():
                         row["speedup_vllm"] = round(tv / t_ours, 3)
                     if "floor_us" in row:
                         row["pct_floor"] = round(100 * row["floor_us"] / t_ours, 1)
+                    default_threads = kmoe.INPUT_THREADS
+                    for n in [int(v) for v in args.input_threads.split(",") if v]:
+                        kmoe.INPUT_THREADS = n
+                        try:
+                            calls[0]()
+                            torch.cuda.synchronize()
+                            row[f"ours_us_t{n}"] = round(graph_time(calls, args.reps), 2)
+                        finally:
+                            kmoe.INPUT_THREADS = default_threads
+                        print(f"  T={t} input threads {n}: {row[f'ours_us_t{n}']} us "
+                              f"(default {default_threads}: {t_ours:.2f} us)", flush=True)
                 except Exception as e:  # noqa: BLE001
                     row["error"] = "; ".join(v for v in (berr, "ours: " + short_err(e)) if v)
                     torch.cuda.synchronize()

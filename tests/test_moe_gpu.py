@@ -205,6 +205,30 @@ def test_moe_options(weights_on_input):
     assert not fails, "\n".join(fails[:20])
 
 
+@pytest.mark.parametrize("threads", [128, 256, 512])
+def test_moe_int8_inputs_at_any_block_size(threads, monkeypatch):
+    """The int8 gather / SwiGLU kernels at fewer threads per row than the default (bench_moe --input-threads), with
+    x narrower than k and a padded intermediate, so padding rows and columns are written too."""
+    monkeypatch.setattr(kmoe, "INPUT_THREADS", threads)
+    gen = torch.Generator(device=DEV).manual_seed(40 + threads)
+    w13, w2 = _experts("4-mul1", gen)
+    d13, d2 = _dense64(w13, 2), _dense64(w2, 1)
+    hidden, inter_valid = K - 64, I - 128
+    _prepare(w13, w2, 64)
+    worst, fails = {}, []
+    for i, t in enumerate((1, 3, 16, 64)):
+        assert kmoe.moe_plan(t, TOPK, E, K, 2 * I, I, K, [4], [MUL1], 132).tier.startswith("i8")
+        for dt in (torch.bfloat16, torch.float16):
+            x = torch.randn(t, hidden, device=DEV, generator=gen).to(dt)
+            w, ids = _route(t, gen, IDS_DTYPES[i % 2], drop=0.25)
+            y = kmoe.moe_cuda(x, w, ids, *w13, *w2, inter_valid=inter_valid)
+            ref, emu = _reference(x, w, ids, d13, d2, inter_valid)
+            _check(y, x, ref, emu, f"threads={threads} T={t} {dt}", worst, dt, fails)
+    for dt, (e, f) in sorted(worst.items(), key=str):
+        _report(f"moe int8 inputs threads={threads} {str(dt)[6:]:8s} max_rel_err={e:.3e} (floor there {f:.3e})")
+    assert not fails, "\n".join(fails[:20])
+
+
 @pytest.mark.parametrize("t", [1, 8, 64, 512])
 def test_moe_graph_replay_equals_eager(t, monkeypatch):
     monkeypatch.setenv("EXL3_VLLM_DETERMINISTIC", "1")

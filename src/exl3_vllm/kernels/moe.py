@@ -150,6 +150,8 @@ def _needs(p: MoePlan, pairs: int, k13: int, n13: int, k2: int, n2: int) -> dict
 
 
 # Workspace shared with the dense op (xh, xq, xmeta, counters, ws_atomic) keeps its dtypes; the rest is ours.
+# Threads per block of the routed rows' input kernels (one block per row slot, shard and reserved row block).
+INPUT_THREADS = 1024
 _DTYPES = dict(BUF_DTYPES, moe_pos=torch.int32, moe_rows=torch.int32, moe_blocks=torch.int32, moe_y=torch.int16)
 
 
@@ -277,7 +279,7 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     if tier.int8:
         xin = d.buf("xq", 2 * p.max_blocks * (max(k13, k2) // 16) * 256, torch.int8, stream=stream)
         xmeta = d.buf("xmeta", 2 * p.max_blocks * 32, torch.float32, stream=stream)
-        nvrtc.launch(moe.function(f"exl3_moe_gather_i8_{sfx}", 4 * k13), (8, 2, p.max_blocks), (1024, 1, 1),
+        nvrtc.launch(moe.function(f"exl3_moe_gather_i8_{sfx}", 4 * k13), (8, 2, p.max_blocks), (INPUT_THREADS, 1, 1),
                      4 * k13, stream, [gather, _u64(xin.data_ptr()), _u64(xmeta.data_ptr()), _i32(p.max_blocks),
                                        _i32(k13)])
     else:
@@ -289,7 +291,7 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
           p.splits13, p.steps13, blocks, xmeta)
     swiglu = _MoeSwiglu(blocks.data_ptr(), rows.data_ptr(), p.bm, y13.data_ptr(), inter, valid, w2_suh.data_ptr())
     if tier.int8:
-        nvrtc.launch(moe.function(f"exl3_moe_swiglu_i8_{sfx}", 4 * k2), (8, 1, p.max_blocks), (1024, 1, 1),
+        nvrtc.launch(moe.function(f"exl3_moe_swiglu_i8_{sfx}", 4 * k2), (8, 1, p.max_blocks), (INPUT_THREADS, 1, 1),
                      4 * k2, stream, [swiglu, _u64(xin.data_ptr()), _u64(xmeta.data_ptr()), _i32(p.max_blocks),
                                       _i32(k2)])
     else:
