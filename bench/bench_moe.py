@@ -273,11 +273,31 @@ def _sync_quiet():
 # output
 
 
+def eager_time_us(calls: list, reps: int) -> float:
+    """GPU time per call in microseconds with the calls launched eagerly (paths that read on the host), the median
+    of reps passes over all of them after one warm-up pass."""
+    for f in calls:
+        f()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for f in calls:
+            f()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
 def write_outputs(args, rows, header_lines):
     os.makedirs(args.out_dir, exist_ok=True)
     csv_path = os.path.join(args.out_dir, f"{args.tag}.csv")
     with open(csv_path, "w", newline="") as f:
-        extra = sorted({k for r in rows for k in r if k.startswith("ours_us_t")}, key=lambda k: int(k[9:]))
+        extra = ["ours_recon_us"] if any("ours_recon_us" in r for r in rows) else []
+        extra += sorted({k for r in rows for k in r if k.startswith("ours_us_t")}, key=lambda k: int(k[9:]))
         wr = csv.DictWriter(f, fieldnames=FIELDS[:6] + extra + FIELDS[6:])
         wr.writeheader()
         wr.writerows(rows)
@@ -316,6 +336,9 @@ def main():
     ap.add_argument("--baseline", choices=["auto", "loop"], default="auto")
     ap.add_argument("--vllm", choices=["auto", "off"], default="auto",
                     help="second bf16 baseline: vLLM's fused_experts (Triton), when vLLM imports and passes a probe")
+    ap.add_argument("--recon", action="store_true",
+                    help="also time the large-M path (EXL3_VLLM_TIER=dequant), eagerly: it reads row counts on the "
+                         "host, so no CUDA graph (column ours_recon_us)")
     ap.add_argument("--input-threads", default="",
                     help="e.g. 256,512: also time ours with kmoe.INPUT_THREADS at each (columns ours_us_t<N>)")
     ap.add_argument("--commit", default="", help="the tree measured (a device copy's git is stale; default: git here)")
@@ -573,6 +596,13 @@ def main():
                         row["speedup_vllm"] = round(tv / t_ours, 3)
                     if "floor_us" in row:
                         row["pct_floor"] = round(100 * row["floor_us"] / t_ours, 1)
+                    if args.recon and x.dtype == torch.bfloat16:
+                        os.environ["EXL3_VLLM_TIER"] = "dequant"
+                        try:
+                            row["ours_recon_us"] = round(eager_time_us(calls, args.reps), 2)
+                        finally:
+                            del os.environ["EXL3_VLLM_TIER"]
+                        print(f"  T={t} reconstruction path: {row['ours_recon_us']} us (eager)", flush=True)
                     default_threads = kmoe.INPUT_THREADS
                     for n in [int(v) for v in args.input_threads.split(",") if v]:
                         kmoe.INPUT_THREADS = n

@@ -205,6 +205,32 @@ def test_moe_options(weights_on_input):
     assert not fails, "\n".join(fails[:20])
 
 
+@pytest.mark.parametrize("name,opts", [("4-mul1", False), ("mixed", False), ("4-mcg", True)])
+def test_moe_recon_path_matches_reference(name, opts, monkeypatch):
+    """The large-M path (EXL3_VLLM_TIER=dequant, bf16): dense expert weights per range of experts, grouped GEMMs.
+    Its floor is the emulation with weights rounded to bf16 as the path stores them; ranges of 5 experts, so a
+    layer takes many; opts: x narrower than k, padded intermediate, experts on other ranks, Llama-4 weighting."""
+    monkeypatch.setenv("EXL3_VLLM_TIER", "dequant")
+    monkeypatch.setenv("EXL3_VLLM_DEQUANT_BYTES", str(5 * 2 * K * 2 * I))
+    gen = torch.Generator(device=DEV).manual_seed(sum(map(ord, name)) + 7)
+    w13, w2 = _experts(name, gen)
+    d13, d2 = _dense64(w13, 2), _dense64(w2, 1)
+    r13, r2 = d13.to(torch.bfloat16).double(), d2.to(torch.bfloat16).double()
+    hidden, inter_valid = (K - 64, I - 128) if opts else (K, -1)
+    worst, fails = {}, []
+    for t, woi in ((1, False), (257, opts), (1024, False), (2048, opts)):
+        x = torch.randn(t, hidden, device=DEV, generator=gen).to(torch.bfloat16)
+        w, ids = _route(t, gen, IDS_DTYPES[t % 2], drop=0.25 if opts else 0.0)
+        assert kmoe.recon_wanted(x)
+        y = kmoe.moe_cuda(x, w, ids, *w13, *w2, inter_valid=inter_valid, weights_on_input=woi)
+        ref, _ = _reference(x, w, ids, d13, d2, inter_valid, woi)
+        _, emu = _reference(x, w, ids, r13, r2, inter_valid, woi)
+        _check(y, x, ref, emu, f"{name} T={t} weights_on_input={woi}", worst, torch.bfloat16, fails)
+    for dt, (e, f) in sorted(worst.items(), key=str):
+        _report(f"moe recon {name:8s} opts={opts} {str(dt)[6:]:8s} max_rel_err={e:.3e} (floor there {f:.3e})")
+    assert not fails, "\n".join(fails[:20])
+
+
 @pytest.mark.parametrize("threads", [128, 256, 512])
 def test_moe_int8_inputs_at_any_block_size(threads, monkeypatch):
     """The int8 gather / SwiGLU kernels at fewer threads per row than the default (bench_moe --input-threads), with

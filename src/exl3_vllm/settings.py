@@ -70,8 +70,8 @@ _ALL = (
             "wgmma tiers, x* only their warp-specialized ones; a name covers its k8 and n twins), streamk, "
             "streamk-dp (stream-k shares out only the last wave), pdl (programmatic dependent launch)",
             keys_tune=True, keys_call=True),
-    Setting("EXL3_VLLM_TIER", "", _text, "force a tier (or 'dequant'), with ':fixed' or ':s<N>'", developer=True,
-            keys_call=True),
+    Setting("EXL3_VLLM_TIER", "", _text, "force a tier (or 'dequant', which also sends bf16 MoE experts to dense "
+            "weights and grouped GEMMs), with ':fixed' or ':s<N>'", developer=True, keys_call=True),
     Setting("EXL3_VLLM_SPLITS", "", _opt_int, "force the split-k factor", developer=True, keys_call=True),
     Setting("EXL3_VLLM_LARGE_M", "128", _int, "rows above which the static plan takes dequantize + cuBLAS",
             developer=True, keys_call=True),

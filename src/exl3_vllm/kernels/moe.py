@@ -16,8 +16,9 @@ from . import library, nvrtc
 from .nvrtc import KernelError
 from .dispatch import DEQUANT, Choice, bits_of, deterministic, int8_ok, tier_on
 from .runtime import BUF_DTYPES, ZERO_BUFS, GemmArgs, device_for
-from .variants import (IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, TIERS, for_k, gemm_kernel_name, linear_defines,
-                       whole_stages)
+from .op import recon_grid
+from .variants import (IO_SOURCE, LINEAR_SOURCE, MOE_SOURCE, RECON_SMEM, TIERS, for_k, gemm_kernel_name,
+                       linear_defines, whole_stages)
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,9 @@ def _needs(p: MoePlan, pairs: int, k13: int, n13: int, k2: int, n2: int) -> dict
     return need
 
 
-# Workspace shared with the dense op (xh, xq, xmeta, counters, ws_atomic) keeps its dtypes; the rest is ours.
 # Threads per block of the routed rows' input kernels (one block per row slot, shard and reserved row block).
 INPUT_THREADS = 1024
+# Workspace shared with the dense op (xh, xq, xmeta, counters, ws_atomic) keeps its dtypes; the rest is ours.
 _DTYPES = dict(BUF_DTYPES, moe_pos=torch.int32, moe_rows=torch.int32, moe_blocks=torch.int32, moe_y=torch.int16)
 
 
@@ -239,8 +240,12 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
              inter_valid: int = -1, weights_on_input: bool = False) -> torch.Tensor:
     """sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)) over each row's top-k local experts, in x's dtype.
 
-    Graph-safe: every launch size follows from x's shape; routing stays on the device.
+    Graph-safe: every launch size follows from x's shape; routing stays on the device (moe_recon, when asked for,
+    is not, and is never taken during a capture).
     """
+    if recon_wanted(x):
+        return moe_recon(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13_suh, w13_svh,
+                         w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh, inter_valid, weights_on_input)
     E, k13, n13, k2, n2, bits = _check(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13_suh,
                                        w13_svh, w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh)
     T, hidden = x.shape
@@ -303,6 +308,91 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     _gemm(d, stream, bf, p, xin, w2_trellis, w2_codebooks, w2_where, w2_svh, y2, k2, n2, [n2], p.splits2, p.steps2,
           blocks, xmeta)
     nvrtc.launch(moe.function(f"exl3_moe_combine_{sfx}"), (T, 1, 1), (256, 1, 1), 0, stream,
+                 [_u64(y2.data_ptr()), _i32(n2), _u64(pos.data_ptr()), _u64(0 if weights_on_input else w.data_ptr()),
+                  _i32(topk), _i32(hidden), _u64(out.data_ptr())])
+    return out
+
+
+def recon_wanted(x: torch.Tensor) -> bool:
+    """The large-M path (dense expert weights, then grouped GEMMs): asked for by EXL3_VLLM_TIER=dequant, for bf16
+    outside CUDA-graph capture (its row ranges are read on the host). Not yet chosen by itself: unmeasured."""
+    force = settings.get("EXL3_VLLM_TIER")
+    return (bool(force) and Choice.parse(force).tier == DEQUANT and x.dtype == torch.bfloat16
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _recon_experts(d, stream, trellis_groups, codebooks, where, suh, suh_stride, svh, wt, e0, e1, n, k, shards):
+    """wt[e - e0] = expert e's dense weight [n, k] (both Hadamards, suh and svh folded in) for e in [e0, e1)."""
+    for g, (tr, cb) in enumerate(zip(trellis_groups, codebooks)):
+        lin = d.module(LINEAR_SOURCE, linear_defines(bits_of(tr), cb))
+        fn = lin.function("exl3_recon_experts_bf16", RECON_SMEM)
+        words = (k // 16) * (n // 16) * (tr.shape[-1] // 2)
+        cols = n // shards
+        for s in range(shards):  # each shard's columns with its own suh row
+            nvrtc.launch(fn, (recon_grid(d, cols, k)[0], e1 - e0, 1), (256, 1, 1), RECON_SMEM, stream,
+                         [_u64(tr.data_ptr()), _u64(where.data_ptr()), _i32(g), _i32(e0), ctypes.c_int64(words),
+                          _u64(suh.data_ptr() + 2 * s * k), _i32(suh_stride), _u64(svh.data_ptr()), _i32(n),
+                          _u64(wt.data_ptr() + 2 * s * cols * k), ctypes.c_int64(n * k), _i32(n), _i32(s * cols),
+                          _i32(cols), _i32(k)])
+
+
+def moe_recon(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w13_where: torch.Tensor,
+              w13_suh: torch.Tensor, w13_svh: torch.Tensor,
+              w2_trellis: List[torch.Tensor], w2_codebooks: List[int], w2_where: torch.Tensor,
+              w2_suh: torch.Tensor, w2_svh: torch.Tensor,
+              inter_valid: int = -1, weights_on_input: bool = False) -> torch.Tensor:
+    """moe_cuda's result for many rows per expert: the routed rows sorted by expert, and per range of experts their
+    dense weights reconstructed in bf16, then torch's grouped GEMMs; SwiGLU between; the combine kernel last.
+    bf16 only; not graph-safe (one copy of the per-expert row counts to the host)."""
+    E, k13, n13, k2, n2, _ = _check(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13_suh,
+                                    w13_svh, w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh)
+    if x.dtype != torch.bfloat16:
+        raise KernelError(f"exl3 moe: the reconstruction path takes bf16 activations, got {x.dtype}")
+    T, hidden = x.shape
+    topk = topk_ids.shape[1]
+    out = torch.empty(T, hidden, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    inter = n13 // 2
+    valid = inter if inter_valid is None or inter_valid < 0 else min(inter_valid, inter)
+    d = device_for(x.device.index)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    ids = topk_ids.reshape(-1)
+    key = torch.where((ids >= 0) & (ids < E), ids, E).to(torch.int32)  # experts of other ranks sort last
+    key, perm = torch.sort(key, stable=True)
+    ends = torch.searchsorted(key, torch.arange(E, device=x.device, dtype=torch.int32), right=True, out_int32=True)
+    counts_end = [0] + ends.tolist()  # the host sync: row ranges of each range of experts
+    routed = counts_end[-1]
+    pos = torch.full((T * topk,), -1, dtype=torch.int32, device=x.device)
+    pos[perm[:routed]] = torch.arange(routed, dtype=torch.int32, device=x.device)
+    xs = x.index_select(0, perm[:routed] // topk)
+    if weights_on_input:  # Llama-4 style: the router weight scales the input, the output is taken as is
+        xs = (xs.float() * topk_weights.reshape(-1)[perm[:routed]].float()[:, None]).to(x.dtype)
+    if hidden < k13:
+        xs = torch.nn.functional.pad(xs, (0, k13 - hidden))
+    y2 = torch.empty(routed, n2, dtype=x.dtype, device=x.device)
+    per = max(1, settings.get("EXL3_VLLM_DEQUANT_BYTES") // (2 * max(n13 * k13, n2 * k2)))  # experts per range
+    wbuf = d.buf("moe_wrecon", min(E, per) * max(n13 * k13, n2 * k2), torch.float16, stream=stream).view(x.dtype)
+    for e0 in range(0, E, per):
+        e1 = min(E, e0 + per)
+        r0, r1 = counts_end[e0], counts_end[e1]
+        if r1 == r0:
+            continue
+        offs = ends[e0:e1] - r0
+        w13 = wbuf[:(e1 - e0) * n13 * k13].view(e1 - e0, n13, k13)
+        _recon_experts(d, stream, w13_trellis, w13_codebooks, w13_where, w13_suh, 2 * k13, w13_svh, w13, e0, e1,
+                       n13, k13, 2)
+        h = torch._grouped_mm(xs[r0:r1], w13.transpose(1, 2), offs=offs)
+        a = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float())
+        if valid < inter:
+            a[:, valid:] = 0  # padding columns decode to noise, not zeros
+        w2 = wbuf[:(e1 - e0) * n2 * k2].view(e1 - e0, n2, k2)
+        _recon_experts(d, stream, w2_trellis, w2_codebooks, w2_where, w2_suh, k2, w2_svh, w2, e0, e1, n2, k2, 1)
+        y2[r0:r1] = torch._grouped_mm(a.to(x.dtype), w2.transpose(1, 2), offs=offs)
+    w = topk_weights.reshape(-1).to(torch.float32)
+    moe = d.module(MOE_SOURCE, None)
+    nvrtc.launch(moe.function("exl3_moe_combine_bf16"), (T, 1, 1), (256, 1, 1), 0, stream,
                  [_u64(y2.data_ptr()), _i32(n2), _u64(pos.data_ptr()), _u64(0 if weights_on_input else w.data_ptr()),
                   _i32(topk), _i32(hidden), _u64(out.data_ptr())])
     return out

@@ -82,3 +82,15 @@ extern "C" __global__ void __launch_bounds__(256, RECON_MINB) exl3_recon_f16(con
 { recon_body<false>(trellis, suh, svh, wt, n_total, col0, cols, k); }
 extern "C" __global__ void __launch_bounds__(256, RECON_MINB) exl3_recon_bf16(const u32* trellis, const u16* suh, const u16* svh, u16* wt, int n_total, int col0, int cols, int k)
 { recon_body<true>(trellis, suh, svh, wt, n_total, col0, cols, k); }
+// A range of experts at once (the large-M MoE path): blockIdx.y = expert e0 + y, whose weight goes to wt + y * wt_stride;
+// experts of another (K, codebook) group than this launch's exit at once (where[e] = its group, index in the group).
+#define EXL3_RECON_EXPERTS(SUF, BF) \
+extern "C" __global__ void __launch_bounds__(256, RECON_MINB) exl3_recon_experts_##SUF(const u32* trellis, const int* where, int group, int e0, long long expert_words, const u16* suh, int suh_stride, const u16* svh, int svh_stride, u16* wt, long long wt_stride, int n_total, int col0, int cols, int k) \
+{ \
+    const int e = e0 + blockIdx.y; \
+    if (where[2 * e] != group) return; \
+    recon_body<BF>(trellis + where[2 * e + 1] * expert_words, suh + (size_t)e * suh_stride, svh + (size_t)e * svh_stride, \
+                   wt + blockIdx.y * wt_stride, n_total, col0, cols, k); \
+}
+EXL3_RECON_EXPERTS(f16, false)
+EXL3_RECON_EXPERTS(bf16, true)
