@@ -183,16 +183,21 @@ def test_moe_matches_reference(name):
     assert not fails, "\n".join(fails[:20])
 
 
+@pytest.mark.parametrize("threads", [None, 256, 512])
 @pytest.mark.parametrize("weights_on_input", [False, True])
-def test_moe_options(weights_on_input):
-    """x narrower than k, padded intermediate (inter_valid), experts on other ranks (-1), Llama-4 weighting."""
+def test_moe_options(weights_on_input, threads, monkeypatch):
+    """x narrower than k, padded intermediate (inter_valid), experts on other ranks (-1), Llama-4 weighting; threads:
+    the int8 input kernels (T <= 16 here) at that block size instead of the default (bench_moe --input-threads)."""
+    if threads:
+        monkeypatch.setattr(kmoe, "INPUT_THREADS", threads)
+    assert kmoe.moe_plan(16, TOPK, E, K, 2 * I, I, K, [4], [MUL1], 132).tier.startswith("i8")
     gen = torch.Generator(device=DEV).manual_seed(21 + weights_on_input)
     w13, w2 = _experts("4-mul1", gen)
     d13, d2 = _dense64(w13, 2), _dense64(w2, 1)
     hidden, inter_valid = K - 64, I - 128
     _prepare(w13, w2, 300)
     worst, fails = {}, []
-    for i, t in enumerate((1, 5, 300)):
+    for i, t in enumerate((1, 5, 16, 300)):
         for dt in (torch.bfloat16, torch.float16):
             x = torch.randn(t, hidden, device=DEV, generator=gen).to(dt)
             w, ids = _route(t, gen, IDS_DTYPES[i % 2], drop=0.25)
@@ -201,7 +206,7 @@ def test_moe_options(weights_on_input):
             _check(y, x, ref, emu, f"T={t} {dt} ids {ids.dtype}", worst, dt, fails)
     for dt, (e, f) in sorted(worst.items(), key=str):
         _report(f"moe options hidden={hidden} inter_valid={inter_valid} weights_on_input={weights_on_input} "
-                f"{str(dt)[6:]:8s} max_rel_err={e:.3e} (floor there {f:.3e})")
+                f"threads={threads or kmoe.INPUT_THREADS} {str(dt)[6:]:8s} max_rel_err={e:.3e} (floor there {f:.3e})")
     assert not fails, "\n".join(fails[:20])
 
 
@@ -228,30 +233,6 @@ def test_moe_recon_path_matches_reference(name, opts, monkeypatch):
         _check(y, x, ref, emu, f"{name} T={t} weights_on_input={woi}", worst, torch.bfloat16, fails)
     for dt, (e, f) in sorted(worst.items(), key=str):
         _report(f"moe recon {name:8s} opts={opts} {str(dt)[6:]:8s} max_rel_err={e:.3e} (floor there {f:.3e})")
-    assert not fails, "\n".join(fails[:20])
-
-
-@pytest.mark.parametrize("threads", [128, 256, 512])
-def test_moe_int8_inputs_at_any_block_size(threads, monkeypatch):
-    """The int8 gather / SwiGLU kernels at fewer threads per row than the default (bench_moe --input-threads), with
-    x narrower than k and a padded intermediate, so padding rows and columns are written too."""
-    monkeypatch.setattr(kmoe, "INPUT_THREADS", threads)
-    gen = torch.Generator(device=DEV).manual_seed(40 + threads)
-    w13, w2 = _experts("4-mul1", gen)
-    d13, d2 = _dense64(w13, 2), _dense64(w2, 1)
-    hidden, inter_valid = K - 64, I - 128
-    _prepare(w13, w2, 64)
-    worst, fails = {}, []
-    for i, t in enumerate((1, 3, 16, 64)):
-        assert kmoe.moe_plan(t, TOPK, E, K, 2 * I, I, K, [4], [MUL1], 132).tier.startswith("i8")
-        for dt in (torch.bfloat16, torch.float16):
-            x = torch.randn(t, hidden, device=DEV, generator=gen).to(dt)
-            w, ids = _route(t, gen, IDS_DTYPES[i % 2], drop=0.25)
-            y = kmoe.moe_cuda(x, w, ids, *w13, *w2, inter_valid=inter_valid)
-            ref, emu = _reference(x, w, ids, d13, d2, inter_valid)
-            _check(y, x, ref, emu, f"threads={threads} T={t} {dt}", worst, dt, fails)
-    for dt, (e, f) in sorted(worst.items(), key=str):
-        _report(f"moe int8 inputs threads={threads} {str(dt)[6:]:8s} max_rel_err={e:.3e} (floor there {f:.3e})")
     assert not fails, "\n".join(fails[:20])
 
 
