@@ -240,12 +240,9 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
              inter_valid: int = -1, weights_on_input: bool = False) -> torch.Tensor:
     """sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)) over each row's top-k local experts, in x's dtype.
 
-    Graph-safe: every launch size follows from x's shape; routing stays on the device (moe_recon, when asked for,
+    Graph-safe: every launch size follows from x's shape; routing stays on the device (_moe_recon, when asked for,
     is not, and is never taken during a capture).
     """
-    if recon_wanted(x):
-        return moe_recon(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13_suh, w13_svh,
-                         w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh, inter_valid, weights_on_input)
     E, k13, n13, k2, n2, bits = _check(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13_suh,
                                        w13_svh, w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh)
     T, hidden = x.shape
@@ -257,6 +254,10 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     inter = n13 // 2
     valid = inter if inter_valid is None or inter_valid < 0 else min(inter_valid, inter)
     d = device_for(x.device.index)
+    if recon_wanted(x):
+        return _moe_recon(d, x, topk_weights, topk_ids, (w13_trellis, w13_codebooks, w13_where, w13_suh, w13_svh),
+                          (w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh), E, k13, n13, k2, n2, valid,
+                          weights_on_input, out)
     cbs = list(w13_codebooks) + list(w2_codebooks)
     p = moe_plan(T, topk, E, k13, n13, k2, n2, bits, cbs, d.sms, d.smem_limit)
     tier = TIERS[p.tier]
@@ -307,10 +308,17 @@ def moe_cuda(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     y2 = ybuf[:p.rows * n2].view(x.dtype)
     _gemm(d, stream, bf, p, xin, w2_trellis, w2_codebooks, w2_where, w2_svh, y2, k2, n2, [n2], p.splits2, p.steps2,
           blocks, xmeta)
-    nvrtc.launch(moe.function(f"exl3_moe_combine_{sfx}"), (T, 1, 1), (256, 1, 1), 0, stream,
-                 [_u64(y2.data_ptr()), _i32(n2), _u64(pos.data_ptr()), _u64(0 if weights_on_input else w.data_ptr()),
-                  _i32(topk), _i32(hidden), _u64(out.data_ptr())])
+    _combine(moe, stream, y2, n2, pos, None if weights_on_input else w, topk, out)
     return out
+
+
+def _combine(moe, stream, y: torch.Tensor, ldy: int, pos: torch.Tensor, w: torch.Tensor | None, topk: int,
+             out: torch.Tensor) -> None:
+    """out[t] = sum_j w[t, j] * y[pos[t, j]] (1 for w without weights; pos -1: an expert of another rank)."""
+    sfx = "bf16" if out.dtype == torch.bfloat16 else "f16"
+    nvrtc.launch(moe.function(f"exl3_moe_combine_{sfx}"), (out.shape[0], 1, 1), (256, 1, 1), 0, stream,
+                 [_u64(y.data_ptr()), _i32(ldy), _u64(pos.data_ptr()), _u64(0 if w is None else w.data_ptr()),
+                  _i32(topk), _i32(out.shape[1]), _u64(out.data_ptr())])
 
 
 def recon_wanted(x: torch.Tensor) -> bool:
@@ -321,8 +329,10 @@ def recon_wanted(x: torch.Tensor) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def _recon_experts(d, stream, trellis_groups, codebooks, where, suh, suh_stride, svh, wt, e0, e1, n, k, shards):
-    """wt[e - e0] = expert e's dense weight [n, k] (both Hadamards, suh and svh folded in) for e in [e0, e1)."""
+def _recon_experts(d, stream, stack, suh_stride, wt, e0, e1, n, k, shards):
+    """wt[e - e0] = expert e's dense weight [n, k] (both Hadamards, suh and svh folded in) for e in [e0, e1); stack:
+    (trellis groups, codebooks, where, suh, svh)."""
+    trellis_groups, codebooks, where, suh, svh = stack
     for g, (tr, cb) in enumerate(zip(trellis_groups, codebooks)):
         lin = d.module(LINEAR_SOURCE, linear_defines(bits_of(tr), cb))
         fn = lin.function("exl3_recon_experts_bf16", RECON_SMEM)
@@ -336,27 +346,11 @@ def _recon_experts(d, stream, trellis_groups, codebooks, where, suh, suh_stride,
                           _i32(cols), _i32(k)])
 
 
-def moe_recon(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              w13_trellis: List[torch.Tensor], w13_codebooks: List[int], w13_where: torch.Tensor,
-              w13_suh: torch.Tensor, w13_svh: torch.Tensor,
-              w2_trellis: List[torch.Tensor], w2_codebooks: List[int], w2_where: torch.Tensor,
-              w2_suh: torch.Tensor, w2_svh: torch.Tensor,
-              inter_valid: int = -1, weights_on_input: bool = False) -> torch.Tensor:
-    """moe_cuda's result for many rows per expert: the routed rows sorted by expert, and per range of experts their
-    dense weights reconstructed in bf16, then torch's grouped GEMMs; SwiGLU between; the combine kernel last.
-    bf16 only; not graph-safe (one copy of the per-expert row counts to the host)."""
-    E, k13, n13, k2, n2, _ = _check(x, topk_weights, topk_ids, w13_trellis, w13_codebooks, w13_where, w13_suh,
-                                    w13_svh, w2_trellis, w2_codebooks, w2_where, w2_suh, w2_svh)
-    if x.dtype != torch.bfloat16:
-        raise KernelError(f"exl3 moe: the reconstruction path takes bf16 activations, got {x.dtype}")
-    T, hidden = x.shape
-    topk = topk_ids.shape[1]
-    out = torch.empty(T, hidden, dtype=x.dtype, device=x.device)
-    if T == 0:
-        return out
-    inter = n13 // 2
-    valid = inter if inter_valid is None or inter_valid < 0 else min(inter_valid, inter)
-    d = device_for(x.device.index)
+def _moe_recon(d, x, topk_weights, topk_ids, w13, w2, E, k13, n13, k2, n2, valid, weights_on_input, out):
+    """moe_cuda's result for many rows per expert (w13, w2: trellis groups, codebooks, where, suh, svh): the routed
+    rows sorted by expert; per range of experts their dense weights reconstructed in bf16, then torch's grouped
+    GEMMs, SwiGLU between; the combine kernel last. Not graph-safe: the per-expert row ends are read on the host."""
+    T, topk, inter = x.shape[0], topk_ids.shape[1], n13 // 2
     stream = torch.cuda.current_stream(x.device).cuda_stream
     ids = topk_ids.reshape(-1)
     key = torch.where((ids >= 0) & (ids < E), ids, E).to(torch.int32)  # experts of other ranks sort last
@@ -369,8 +363,8 @@ def moe_recon(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     xs = x.index_select(0, perm[:routed] // topk)
     if weights_on_input:  # Llama-4 style: the router weight scales the input, the output is taken as is
         xs = (xs.float() * topk_weights.reshape(-1)[perm[:routed]].float()[:, None]).to(x.dtype)
-    if hidden < k13:
-        xs = torch.nn.functional.pad(xs, (0, k13 - hidden))
+    if x.shape[1] < k13:
+        xs = torch.nn.functional.pad(xs, (0, k13 - x.shape[1]))
     y2 = torch.empty(routed, n2, dtype=x.dtype, device=x.device)
     per = max(1, settings.get("EXL3_VLLM_DEQUANT_BYTES") // (2 * max(n13 * k13, n2 * k2)))  # experts per range
     wbuf = d.buf("moe_wrecon", min(E, per) * max(n13 * k13, n2 * k2), torch.float16, stream=stream).view(x.dtype)
@@ -380,21 +374,17 @@ def moe_recon(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
         if r1 == r0:
             continue
         offs = ends[e0:e1] - r0
-        w13 = wbuf[:(e1 - e0) * n13 * k13].view(e1 - e0, n13, k13)
-        _recon_experts(d, stream, w13_trellis, w13_codebooks, w13_where, w13_suh, 2 * k13, w13_svh, w13, e0, e1,
-                       n13, k13, 2)
-        h = torch._grouped_mm(xs[r0:r1], w13.transpose(1, 2), offs=offs)
+        wt = wbuf[:(e1 - e0) * n13 * k13].view(e1 - e0, n13, k13)
+        _recon_experts(d, stream, w13, 2 * k13, wt, e0, e1, n13, k13, 2)
+        h = torch._grouped_mm(xs[r0:r1], wt.transpose(1, 2), offs=offs)
         a = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float())
         if valid < inter:
             a[:, valid:] = 0  # padding columns decode to noise, not zeros
-        w2 = wbuf[:(e1 - e0) * n2 * k2].view(e1 - e0, n2, k2)
-        _recon_experts(d, stream, w2_trellis, w2_codebooks, w2_where, w2_suh, k2, w2_svh, w2, e0, e1, n2, k2, 1)
-        y2[r0:r1] = torch._grouped_mm(a.to(x.dtype), w2.transpose(1, 2), offs=offs)
-    w = topk_weights.reshape(-1).to(torch.float32)
-    moe = d.module(MOE_SOURCE, None)
-    nvrtc.launch(moe.function("exl3_moe_combine_bf16"), (T, 1, 1), (256, 1, 1), 0, stream,
-                 [_u64(y2.data_ptr()), _i32(n2), _u64(pos.data_ptr()), _u64(0 if weights_on_input else w.data_ptr()),
-                  _i32(topk), _i32(hidden), _u64(out.data_ptr())])
+        wt = wbuf[:(e1 - e0) * n2 * k2].view(e1 - e0, n2, k2)
+        _recon_experts(d, stream, w2, k2, wt, e0, e1, n2, k2, 1)
+        y2[r0:r1] = torch._grouped_mm(a.to(x.dtype), wt.transpose(1, 2), offs=offs)
+    _combine(d.module(MOE_SOURCE, None), stream, y2, n2, pos,
+             None if weights_on_input else topk_weights.reshape(-1).to(torch.float32), topk, out)
     return out
 
 
