@@ -79,9 +79,9 @@ constexpr int RECON_MINB = 2;
 constexpr int RECON_MINB = 1;
 #endif
 extern "C" __global__ void __launch_bounds__(256, RECON_MINB) exl3_recon_f16(const u32* trellis, const u16* suh, const u16* svh, u16* wt, int n_total, int col0, int cols, int k)
-{ recon_body<false>(trellis, suh, svh, wt, n_total, col0, cols, k); }
+{ recon_body<false>(trellis, 0, suh, 0, svh, 0, wt, 0, n_total, col0, cols, k); }
 extern "C" __global__ void __launch_bounds__(256, RECON_MINB) exl3_recon_bf16(const u32* trellis, const u16* suh, const u16* svh, u16* wt, int n_total, int col0, int cols, int k)
-{ recon_body<true>(trellis, suh, svh, wt, n_total, col0, cols, k); }
+{ recon_body<true>(trellis, 0, suh, 0, svh, 0, wt, 0, n_total, col0, cols, k); }
 // A range of experts at once (the large-M MoE path): blockIdx.y = expert e0 + y, whose weight goes to wt + y * wt_stride;
 // experts of another (K, codebook) group than this launch's exit at once (where[e] = its group, index in the group).
 #define EXL3_RECON_EXPERTS(SUF, BF) \
@@ -89,8 +89,8 @@ extern "C" __global__ void __launch_bounds__(256, RECON_MINB) exl3_recon_experts
 { \
     const int e = e0 + blockIdx.y; \
     if (where[2 * e] != group) return; \
-    recon_body<BF>(trellis + where[2 * e + 1] * expert_words, suh + (size_t)e * suh_stride, svh + (size_t)e * svh_stride, \
-                   wt + blockIdx.y * wt_stride, n_total, col0, cols, k); \
+    recon_body<BF>(trellis, where[2 * e + 1] * expert_words, suh, e * suh_stride, svh, e * svh_stride, \
+                   wt, blockIdx.y * wt_stride, n_total, col0, cols, k); \
 }
 EXL3_RECON_EXPERTS(f16, false)
 EXL3_RECON_EXPERTS(bf16, true)

@@ -52,9 +52,12 @@ template <bool BF16> EXL3_INLINE u32 pack2(float lo, float hi)
     return r;
 }
 
+// t_off, u_off, v_off, w_off: element offsets into trellis, suh, svh, wt (one expert's slices); kept apart from the
+// pointers, which stay kernel parameters instead of live registers (at 128 registers a pointer more spills).
 template <bool OUT_BF16>
-__device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, const u16* __restrict__ suh,
-                                           const u16* __restrict__ svh, u16* __restrict__ wt, int n_total, int col0,
+__device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, long long t_off,
+                                           const u16* __restrict__ suh, int u_off, const u16* __restrict__ svh,
+                                           int v_off, u16* __restrict__ wt, long long w_off, int n_total, int col0,
                                            int cols, int k)
 {
     // [2 buffers][8 k tiles][8 strips][32 lanes] packed fragments (variants.RECON_SMEM): the next unit's phase 1
@@ -75,7 +78,7 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
     const int dcu = gridDim.x / kb, dku = gridDim.x - dcu * kb;
     int cu = blockIdx.x / kb, ku = blockIdx.x - cu * kb;
     auto tiles_of = [&](int c, int kk) {
-        return trellis + (size_t)kk * 8 * (size_t)tile_row + (size_t)((col0 >> 4) + c * 8 + warp) * TL::W32;
+        return trellis + t_off + (size_t)kk * 8 * (size_t)tile_row + (size_t)((col0 >> 4) + c * 8 + warp) * TL::W32;
     };
     const u32* tw = tiles_of(blockIdx.x < units ? cu : 0, blockIdx.x < units ? ku : 0);
     #pragma unroll
@@ -123,13 +126,13 @@ __device__ __forceinline__ void recon_body(const u32* __restrict__ trellis, cons
         // This lane's k: ku * 128 + 16 J + 4t .. +3; both Hadamards' 1/sqrt(128) folded into suh's factor.
         const int kq = ku * 128 + warp * 16 + 4 * t;
         float fk[4];
-        h2f4(suh + kq, fk);
+        h2f4(suh + u_off + kq, fk);
         #pragma unroll
         for (int i = 0; i < 4; ++i) fk[i] *= 0.0078125f;
         // Columns cu * 128 + 16 s + g (+ 8): wt rows 16 k apart per strip, one pointer and one stride.
         const int c0 = cu * 128 + g;
-        const u16* sv = svh + col0 + c0;
-        u16* wp = wt + (size_t)c0 * k + kq;
+        const u16* sv = svh + v_off + col0 + c0;
+        u16* wp = wt + w_off + (size_t)c0 * k + kq;
         const size_t rstep = (size_t)8 * k;
         #pragma unroll
         for (int s = 0; s < 8; ++s, wp += 2 * rstep)
