@@ -183,7 +183,7 @@ def test_moe_matches_reference(name):
     assert not fails, "\n".join(fails[:20])
 
 
-@pytest.mark.parametrize("threads", [None, 256, 512])
+@pytest.mark.parametrize("threads", [None, 512, 1024])
 @pytest.mark.parametrize("weights_on_input", [False, True])
 def test_moe_options(weights_on_input, threads, monkeypatch):
     """x narrower than k, padded intermediate (inter_valid), experts on other ranks (-1), Llama-4 weighting; threads:

@@ -150,8 +150,9 @@ def _needs(p: MoePlan, pairs: int, k13: int, n13: int, k2: int, n2: int) -> dict
     return need
 
 
-# Threads per block of the routed rows' input kernels (one block per row slot, shard and reserved row block).
-INPUT_THREADS = 1024
+# Threads per block of the routed rows' input kernels (one block per row slot, shard and reserved row block): a row's
+# k/16 quantization steps leave most of a 1024-thread block idle at every barrier.
+INPUT_THREADS = 256
 # Workspace shared with the dense op (xh, xq, xmeta, counters, ws_atomic) keeps its dtypes; the rest is ours.
 _DTYPES = dict(BUF_DTYPES, moe_pos=torch.int32, moe_rows=torch.int32, moe_blocks=torch.int32, moe_y=torch.int16)
 
