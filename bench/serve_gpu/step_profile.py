@@ -32,6 +32,7 @@ import sys
 import time
 
 from kit_args import kit_llm_args  # this script's folder is on sys.path when it runs
+from serve_bench import KINDS as SERVE_KINDS
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,7 +97,9 @@ def summarize(prof, use_cuda: bool) -> dict:
 
 
 def kind_of(res: dict) -> str:
-    kind = res["quantization"] or ("bf16" if res["dummy"] else os.path.basename(res["model"].rstrip("/")))
+    name = os.path.basename(res["model"].rstrip("/"))
+    tail = name.rsplit("-", 1)[-1]  # serve_bench names its models <preset>-<kind>
+    kind = res["quantization"] or (tail if tail in SERVE_KINDS else "bf16" if res["dummy"] else name)
     return kind + (" + draft" if res.get("spec") else "")
 
 
