@@ -334,3 +334,25 @@ def test_results_rows_name_their_tree(tmp_path):
     outside = tmp_path.parent / (tmp_path.name + "-no-git")
     outside.mkdir()
     assert git_commit(str(outside)) == "unknown"
+
+
+def test_step_profile_names_each_profiled_kind(tmp_path):
+    """--report names an EXL3 model and a weightless peer by serve_bench's kind in their folder names (a weightless
+    GPTQ config is not bf16), and a bare weightless config bf16."""
+    import csv
+    import subprocess
+
+    def prof(model, dummy, quantization=None):
+        phase = {"requests": 16, "rows": 1024, "total_ms": 10.0, "wall_s": 0.1, "exl3_gemm_by_tier_ms": {},
+                 "by_category": {"attention": {"ms": 10.0, "share": 1.0}}}
+        p = tmp_path / f"{os.path.basename(model)}-{quantization}.json"
+        p.write_text(json.dumps({"model": model, "dummy": dummy, "quantization": quantization, "spec": "",
+                                 "device": "GPU", "phases": {"decode-c16": phase}}))
+        return str(p)
+
+    paths = [prof("/tmp/serve-bench/qwen3-30b-a3b-exl3", False), prof("/tmp/serve-bench/qwen3-30b-a3b-gptq", True),
+             prof("/tmp/serve-bench/qwen3-30b-a3b-bf16", True, "fp8"), prof("/tmp/m/my-config", True)]
+    out = tmp_path / "p.csv"
+    subprocess.run([sys.executable, os.path.join(HERE, "..", "bench", "serve_gpu", "step_profile.py"), "--report",
+                    *paths, "--commit", "abc", "--csv", str(out)], check=True, capture_output=True)
+    assert [r["kind"] for r in csv.DictReader(open(out))] == ["exl3", "gptq", "fp8", "bf16"]
